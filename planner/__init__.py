@@ -1,0 +1,22 @@
+"""ckpt-planner: automatic activation checkpointing for PyTorch.
+
+`planner` is the torch side: tracing and profiling models, rewriting them, measuring them. Heavy
+modules are imported on first use, so `ckpt-planner plan` works where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["profile"]
+
+_LAZY = {
+    "profile": "planner.profiler",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'planner' has no attribute {name!r}")

@@ -1,0 +1,207 @@
+"""The `ckpt-planner` command line: profile a model, show a profile, plan and compare schedules.
+
+Importing this module does not import torch: `profile` imports the profiler inside its handler, and
+`show`, `plan` and `compare` read saved profiles, so they work where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["main"]
+
+_MIB = 2**20
+_GIB = 2**30
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes for people: MiB below 1 GiB, GiB above, 2 decimals."""
+    if abs(n) >= _GIB:
+        return f"{n / _GIB:.2f} GiB"
+    return f"{n / _MIB:.2f} MiB"
+
+
+# -- profile --------------------------------------------------------------------------------------
+class _SpecError(Exception):
+    """A `module:function` model spec that cannot be turned into (model, example_inputs)."""
+
+
+def _load_spec(spec: str) -> tuple[Any, Any]:
+    """Call the function named by ``module:function`` and return its ``(model, example_inputs)``."""
+    expected = (
+        "expected SPEC as 'module:function', where module is importable from the current "
+        "directory and function() returns (model, example_inputs), e.g. tests.models:gpt2_tiny"
+    )
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name:
+        raise _SpecError(f"model spec {spec!r} has no 'module:function' form; {expected}")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise _SpecError(
+            f"cannot import module {module_name!r} from {cwd} ({e}); {expected}"
+        ) from None
+    func = getattr(module, func_name, None)
+    if func is None or not callable(func):
+        raise _SpecError(f"module {module_name!r} has no function {func_name!r}; {expected}")
+    result = func()
+    if not (isinstance(result, tuple) and len(result) == 2):
+        found = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
+        raise _SpecError(f"{spec}() returned {found}; {expected}")
+    return result
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    try:
+        model, example_inputs = _load_spec(args.spec)
+    except _SpecError as e:
+        print(f"ckpt-planner profile: {e}", file=sys.stderr)
+        return 2
+    from planner.profiler import profile  # imports torch
+
+    prof = profile(
+        model,
+        example_inputs,
+        mode=args.mode,
+        device=args.device,
+        repeats=args.repeats,
+        progress=True,
+    )
+    path = prof.save(args.output)
+    n_fwd = sum(n.phase == "forward" for n in prof.nodes)
+    print(
+        f"wrote {path}: {prof.meta.model_class or 'model'}, {len(prof.nodes)} nodes "
+        f"({n_fwd} forward), fixed {fmt_bytes(prof.fixed_bytes)}, "
+        f"saved activations {fmt_bytes(prof.saved_bytes)}, step {prof.step_ms:.2f} ms "
+        f"({prof.meta.mode} on {prof.meta.device_name or prof.meta.device})"
+    )
+    return 0
+
+
+# -- show -----------------------------------------------------------------------------------------
+def _module_prefix(path: str, depth: int = 3) -> str:
+    return ".".join(path.split(".")[:depth]) if path else "(top level)"
+
+
+def saved_bytes_by_module(profile: Any, depth: int = 3) -> dict[str, int]:
+    """Saved-activation bytes attributed to the module whose op allocated each storage.
+
+    Module paths are truncated to their first `depth` dotted components (``transformer.h.3``).
+    """
+    allocator: dict[int, str] = {}
+    for n in profile.nodes:
+        for s in n.new_storages:
+            allocator[s] = n.module
+    totals: dict[str, int] = defaultdict(int)
+    for s in profile.saved_storages:
+        totals[_module_prefix(allocator.get(s, ""), depth)] += profile.storage_bytes[s]
+    return dict(totals)
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from solvers import Profile, ProfileError
+
+    try:
+        p = Profile.load(args.profile)
+    except ProfileError as e:
+        print(f"ckpt-planner show: {e}", file=sys.stderr)
+        return 2
+    m = p.meta
+    counts = {ph: 0 for ph in ("param", "buffer", "input", "forward", "loss", "backward")}
+    for n in p.nodes:
+        counts[n.phase] = counts.get(n.phase, 0) + 1
+    shapes = ", ".join(f"{k}={list(v)}" for k, v in m.input_shapes.items()) or "(none recorded)"
+    lines = [
+        f"profile:        {args.profile}",
+        f"model:          {m.model_class or '(unknown)'}",
+        f"device:         {m.device}" + (f" ({m.device_name})" if m.device_name else ""),
+        f"mode:           {m.mode}",
+        f"dtype:          {m.dtype}",
+        f"torch:          {m.torch_version or '(unknown)'}",
+        f"inputs:         {shapes}",
+        "nodes:          "
+        + ", ".join(f"{ph} {c}" for ph, c in counts.items())
+        + f" (total {len(p.nodes)})",
+        f"fixed memory:   {fmt_bytes(p.fixed_bytes)} (params {fmt_bytes(p.param_bytes)}, "
+        f"buffers {fmt_bytes(p.buffer_bytes)}, inputs {fmt_bytes(p.input_bytes)}, "
+        f"optimizer state {fmt_bytes(p.optimizer_state_bytes)})",
+        f"saved activations: {fmt_bytes(p.saved_bytes)}",
+        f"step time:      {p.step_ms:.3f} ms (sum of op times)",
+    ]
+    by_module = sorted(saved_bytes_by_module(p).items(), key=lambda kv: (-kv[1], kv[0]))
+    if by_module:
+        lines.append(f"top {min(args.top, len(by_module))} modules by saved bytes:")
+        width = max(len(k) for k, _ in by_module[: args.top])
+        for mod, b in by_module[: args.top]:
+            lines.append(f"  {mod:<{width}}  {fmt_bytes(b)}")
+    print("\n".join(lines))
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------------
+def _add_optional_subcommand(
+    sub: argparse._SubParsersAction, name: str, module_name: str, help_text: str
+) -> None:
+    """Register `name` from `module_name` (add_arguments/run) if that module is installed."""
+    if importlib.util.find_spec(module_name) is None:
+        return
+    module = importlib.import_module(module_name)
+    p = sub.add_parser(name, help=help_text)
+    module.add_arguments(p)
+    run: Callable[[argparse.Namespace], int] = module.run
+    p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckpt-planner",
+        description="Automatic activation-checkpoint planner for PyTorch.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("profile", help="trace and profile a model; save the profile as JSON")
+    p.add_argument(
+        "spec",
+        metavar="SPEC",
+        help="module:function returning (model, example_inputs), e.g. tests.models:gpt2_tiny",
+    )
+    p.add_argument("-o", "--output", required=True, help="output path (.json or .json.gz)")
+    p.add_argument(
+        "--mode",
+        choices=("measure", "estimate"),
+        default="measure",
+        help="measure op times by running them, or estimate them with a roofline model",
+    )
+    p.add_argument("--device", default=None, help="device to run on or estimate for (e.g. h100)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per op (median)")
+    p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser("show", help="summarise a saved profile")
+    p.add_argument("profile", metavar="PROFILE", help="profile file (.json or .json.gz)")
+    p.add_argument("--top", type=int, default=10, help="modules to list by saved bytes")
+    p.set_defaults(func=_cmd_show)
+
+    _add_optional_subcommand(
+        sub, "plan", "planner.cli_plan", "plan a checkpoint schedule for a memory budget"
+    )
+    _add_optional_subcommand(
+        sub, "compare", "planner.cli_compare", "compare solvers and baselines on a profile"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `ckpt-planner` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,202 @@
+"""Measure one training step: peak memory, memory retained after forward, and step time.
+
+On CPU the truth is the running sum of the allocator's ``[memory]`` events from `torch.profiler`
+(``profile_memory=True``): process RSS says nothing about what tensors hold. On CUDA it is
+`torch.cuda.max_memory_allocated`. The step is what a training loop does:
+
+    loss = loss_fn(module(*args, **kwargs)); loss.backward()   # output dropped before backward
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)     # when an optimizer is given
+
+Peak bytes count everything alive during the step, parameters, buffers and inputs included
+(`fixed_bytes`), as `max_memory_allocated` does; gradients are set to None before the step, so they
+are allocated inside it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from planner.trace import default_loss, split_inputs
+
+__all__ = ["Measurement", "measure", "fixed_bytes"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One measured training step."""
+
+    peak_bytes: int
+    """Peak of everything allocated during the step, fixed memory included."""
+    retained_bytes: int
+    """Bytes still held after forward and loss (what autograd saved, plus the loss)."""
+    step_ms: float
+    """Median wall time of a step after warm-up."""
+    step_ms_all: tuple[float, ...] = ()
+    """Every timed step, for the spread."""
+    fixed_bytes: int = 0
+    """Parameters, buffers, inputs (and optimizer state) held before the step."""
+
+
+def _storages_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def fixed_bytes(
+    module: torch.nn.Module, example_inputs: Any, optimizer: torch.optim.Optimizer | None = None
+) -> int:
+    """Bytes held before a step starts: parameters, buffers, input tensors, optimizer state."""
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return _storages_bytes(tensors)
+
+
+def _step(module, args, kwargs, loss_fn, optimizer, marker: Callable[[], None] | None):
+    loss = loss_fn(module(*args, **kwargs))
+    if marker is not None:
+        marker()
+    loss.backward()
+    del loss
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _zero_grads(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+def measure(
+    module: torch.nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    restore: bool = True,
+) -> Measurement:
+    """Measure one training step of `module` (peak and retained memory, median step time).
+
+    With ``restore=True`` (default) parameters, buffers, gradients and RNG state are put back
+    afterwards (when no optimizer is given), so measuring does not train the model.
+    """
+    loss_fn = loss_fn or default_loss
+    args, kwargs = split_inputs(example_inputs)
+    params = list(module.parameters())
+    saved_state = (
+        [p.detach().clone() for p in params],
+        [b.detach().clone() for b in module.buffers()],
+    ) if restore else None
+    saved_grads = [p.grad for p in params]
+    dev = next((p.device for p in params), torch.device("cpu"))
+    cuda = dev.type == "cuda"
+    rng = torch.random.get_rng_state()
+    try:
+        for _ in range(warmup):
+            _zero_grads(module)
+            _step(module, args, kwargs, loss_fn, optimizer, None)
+        _zero_grads(module)
+        fixed = fixed_bytes(module, example_inputs, optimizer)
+        if cuda:
+            peak, retained = _measure_cuda(module, args, kwargs, loss_fn, optimizer)
+        else:
+            peak, retained = _measure_cpu(module, args, kwargs, loss_fn, optimizer)
+        times = []
+        for _ in range(repeats):
+            _zero_grads(module)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            _step(module, args, kwargs, loss_fn, optimizer, None)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        torch.random.set_rng_state(rng)
+        if saved_state is not None and optimizer is None:
+            with torch.no_grad():
+                for p, v in zip(params, saved_state[0], strict=True):
+                    p.copy_(v)
+                for b, v in zip(module.buffers(), saved_state[1], strict=True):
+                    b.copy_(v)
+        for p, g in zip(params, saved_grads, strict=True):
+            p.grad = g
+    return Measurement(
+        peak_bytes=fixed + peak,
+        retained_bytes=retained,
+        step_ms=statistics.median(times) if times else float("nan"),
+        step_ms_all=tuple(round(t, 3) for t in times),
+        fixed_bytes=fixed,
+    )
+
+
+def _measure_cpu(module, args, kwargs, loss_fn, optimizer) -> tuple[int, int]:
+    """Peak (above what existed before) and retained-after-forward bytes from memory events."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def marker():
+        with record_function("ckpt_planner::forward_done"):
+            pass
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(module, args, kwargs, loss_fn, optimizer, marker)
+    return _peak_and_retained(prof, "ckpt_planner::forward_done")
+
+
+def _peak_and_retained(prof: Any, mark: str) -> tuple[int, int]:
+    """Walk the profiler's event tree: allocation events carry signed sizes (frees negative);
+    their running sum in time order is the memory the step holds above its start."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+    marks: list[int] = []
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        elif e.name == mark:
+            marks.append(e.start_time_ns)
+        todo.extend(e.children)
+    events.sort()
+    mark_t = min(marks) if marks else None
+    cur = peak = 0
+    retained = None
+    for t, delta in events:
+        if mark_t is not None and retained is None and t > mark_t:
+            retained = cur
+        cur += delta
+        peak = max(peak, cur)
+    return peak, retained if retained is not None else cur
+
+
+def _measure_cuda(module, args, kwargs, loss_fn, optimizer) -> tuple[int, int]:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    box: dict[str, int] = {}
+
+    def marker():
+        torch.cuda.synchronize(dev)
+        box["retained"] = torch.cuda.memory_allocated(dev) - base
+
+    _step(module, args, kwargs, loss_fn, optimizer, marker)
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - base, box.get("retained", 0)

@@ -1,0 +1,378 @@
+"""The Profile: a torch-free record of one training step's joint (forward + backward) graph.
+
+A profile is what the planner knows about a model. It is recorded by `planner.profile` from an
+aten-level `make_fx` trace of forward, loss and `torch.autograd.grad`, and it is plain data: it can be
+saved on a GPU box and planned anywhere, with no torch installed.
+
+Memory is described at the level of storages, because that is what an allocator sees: views and
+in-place ops create no storage, and one storage may be read through many nodes. Every node names the
+storage its output lives in (`storage`) and the storages it allocates (`new_storages`); a forward node
+lists the storages its autograd node saved for backward (`saves`), which the trace shows exactly as
+the forward values that its backward ops read; a backward node names the forward node whose
+autograd node ran it (`grad_of`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from solvers.errors import ProfileError
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "PHASES", "Node", "ProfileMeta", "Profile"]
+
+SCHEMA = "ckpt-planner/profile"
+SCHEMA_VERSION = 1
+
+# Order of phases in a trace. "param", "buffer" and "input" nodes are placeholders (fixed memory);
+# "forward" nodes are the model's forward (the only ones a schedule may checkpoint); "loss" nodes turn
+# the model's output into the scalar loss; "backward" nodes are what autograd ran.
+PHASES = ("param", "buffer", "input", "forward", "loss", "backward")
+FIXED_PHASES = frozenset({"param", "buffer", "input"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    """One aten op (or placeholder) of the joint graph."""
+
+    name: str
+    """Unique fx node name, e.g. ``addmm_3``."""
+    op: str
+    """The aten overload (``aten.addmm.default``), ``getitem``, or ``placeholder``."""
+    phase: str
+    """One of `PHASES`."""
+    inputs: tuple[str, ...] = ()
+    """Names of the nodes whose outputs this node reads (tensor arguments only)."""
+    module: str = ""
+    """Dotted path of the module that issued the op (forward nodes), e.g. ``transformer.h.3.attn``."""
+    storage: int | None = None
+    """Id of the storage this node's output tensor lives in; None for tuple or non-tensor outputs."""
+    new_storages: tuple[int, ...] = ()
+    """Storages this node allocates (empty for views, in-place ops and getitem)."""
+    saves: tuple[int, ...] = ()
+    """Forward nodes: storages that this node's autograd node keeps for backward."""
+    grad_of: str | None = None
+    """Backward nodes: the forward node whose autograd node ran this op (None for the seed)."""
+    flops: int = 0
+    """Floating-point operations (FlopCounterMode's count; 0 for elementwise ops)."""
+    bytes_moved: int = 0
+    """Bytes read plus bytes written (inputs and outputs), for a roofline estimate."""
+    time_ms: float = 0.0
+    """Run time of this op: measured median, or a roofline estimate (see `ProfileMeta.mode`)."""
+    random: bool = False
+    """The op draws from the RNG (dropout): replaying it needs the RNG state restored."""
+    mutates_buffer: bool = False
+    """The op updates a module buffer in place (BatchNorm running statistics)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileMeta:
+    """What a profile was measured on."""
+
+    model_class: str = ""
+    device: str = "cpu"
+    """Device type the times refer to (``cpu``, ``cuda``)."""
+    device_name: str = ""
+    """Human name of the device, e.g. ``NVIDIA H100 SXM`` or the CPU model."""
+    mode: str = "measure"
+    """``measure`` (times measured by running every op) or ``estimate`` (roofline, fake tensors)."""
+    dtype: str = "float32"
+    torch_version: str = ""
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    created: str = ""
+    step_ms_measured: float | None = None
+    """Median measured time of one eager training step of the original model, when measured."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """A training step's joint graph with per-node memory and time. Construct with `Profile.load`
+    or `planner.profile`; direct construction validates everything."""
+
+    nodes: tuple[Node, ...]
+    storage_bytes: tuple[int, ...]
+    """Bytes of every storage, indexed by storage id."""
+    model_outputs: tuple[str, ...] = ()
+    """Forward nodes that are the model's outputs, flattened."""
+    loss: str = ""
+    """The node holding the scalar loss."""
+    grad_bytes: int = 0
+    """Bytes of parameter gradients (trainable parameters only), alive after backward."""
+    optimizer_state_bytes: int = 0
+    """Optimizer state held between steps (Adam: two fp32 tensors per trainable parameter)."""
+    optimizer_step_bytes: int = 0
+    """Transient bytes the optimizer's step allocates on top of its state."""
+    meta: ProfileMeta = field(default_factory=ProfileMeta)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        object.__setattr__(self, "_index", {n.name: i for i, n in enumerate(self.nodes)})
+
+    # -- derived quantities ------------------------------------------------------------------
+    def index(self, name: str) -> int:
+        """Position of the node called `name` in `nodes`."""
+        try:
+            return self._index[name]  # type: ignore[attr-defined]
+        except KeyError:
+            raise KeyError(f"no node named {name!r} in this profile") from None
+
+    def phase_bytes(self, *phases: str) -> int:
+        """Bytes of the storages allocated by nodes of the given phases."""
+        return sum(
+            self.storage_bytes[s] for n in self.nodes if n.phase in phases for s in n.new_storages
+        )
+
+    @property
+    def param_bytes(self) -> int:
+        return self.phase_bytes("param")
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.phase_bytes("buffer")
+
+    @property
+    def input_bytes(self) -> int:
+        return self.phase_bytes("input")
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Memory held before the step starts: parameters, buffers, inputs, optimizer state."""
+        return self.param_bytes + self.buffer_bytes + self.input_bytes + self.optimizer_state_bytes
+
+    @property
+    def forward_indices(self) -> list[int]:
+        """Positions of the nodes a schedule may checkpoint, in execution order."""
+        return [i for i, n in enumerate(self.nodes) if n.phase == "forward"]
+
+    @property
+    def saved_storages(self) -> set[int]:
+        """Storages kept for backward by forward and loss nodes, fixed memory excluded."""
+        fixed = {s for n in self.nodes if n.phase in FIXED_PHASES for s in n.new_storages}
+        return {s for n in self.nodes for s in n.saves} - fixed
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes autograd keeps for backward after a forward pass with no checkpointing."""
+        return sum(self.storage_bytes[s] for s in self.saved_storages)
+
+    @property
+    def step_ms(self) -> float:
+        """Sum of all op times: forward, loss and backward."""
+        return sum(n.time_ms for n in self.nodes)
+
+    @property
+    def forward_ms(self) -> float:
+        return sum(n.time_ms for n in self.nodes if n.phase == "forward")
+
+    # -- JSON ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        defaults = {f.name: f.default for f in dataclasses.fields(Node)}
+        nodes = []
+        for n in self.nodes:
+            d = {}
+            for k, v in dataclasses.asdict(n).items():
+                if k in ("name", "op", "phase") or v != defaults[k]:
+                    d[k] = list(v) if isinstance(v, tuple) else v
+            nodes.append(d)
+        return {
+            "schema": SCHEMA,
+            "schema_version": self.schema_version,
+            "meta": dataclasses.asdict(self.meta),
+            "model_outputs": list(self.model_outputs),
+            "loss": self.loss,
+            "grad_bytes": self.grad_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "optimizer_step_bytes": self.optimizer_step_bytes,
+            "storage_bytes": list(self.storage_bytes),
+            "nodes": nodes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "profile") -> Profile:
+        if not isinstance(d, dict):
+            raise ProfileError(f"{source}: expected a JSON object, found {type(d).__name__}")
+        if d.get("schema") != SCHEMA:
+            raise ProfileError(
+                f"{source}: field 'schema' is {d.get('schema')!r}, expected {SCHEMA!r}; "
+                "is this a ckpt-planner profile?"
+            )
+        version = d.get("schema_version")
+        if isinstance(version, bool) or version != SCHEMA_VERSION:
+            raise ProfileError(
+                f"{source}: schema_version {version!r} is not supported (this ckpt-planner reads "
+                f"version {SCHEMA_VERSION}); re-record the profile with `ckpt-planner profile`"
+            )
+        for key in ("nodes", "storage_bytes"):
+            if key not in d:
+                raise ProfileError(f"{source}: missing field {key!r}")
+            if not isinstance(d[key], list):
+                raise ProfileError(
+                    f"{source}: field {key!r} is a {type(d[key]).__name__}, expected a list"
+                )
+        if not isinstance(d.get("meta", {}), dict):
+            raise ProfileError(f"{source}: field 'meta' is not an object")
+        known = {f.name for f in dataclasses.fields(Node)}
+        nodes = []
+        for i, nd in enumerate(d["nodes"]):
+            if not isinstance(nd, dict):
+                raise ProfileError(f"{source}: nodes[{i}] is not an object")
+            for key in ("name", "op", "phase"):
+                if key not in nd:
+                    raise ProfileError(f"{source}: nodes[{i}] is missing field {key!r}")
+            unknown = set(nd) - known
+            if unknown:
+                raise ProfileError(
+                    f"{source}: nodes[{i}] ({nd['name']!r}) has unknown fields {sorted(unknown)}"
+                )
+            kw = {k: tuple(v) if isinstance(v, list) else v for k, v in nd.items()}
+            for key in ("inputs", "new_storages", "saves"):
+                if key in kw and not isinstance(kw[key], tuple):
+                    raise ProfileError(
+                        f"{source}: nodes[{i}] ({nd['name']!r}): field {key!r} is "
+                        f"{kw[key]!r}, expected a list"
+                    )
+            try:
+                nodes.append(Node(**kw))
+            except TypeError as e:
+                raise ProfileError(f"{source}: nodes[{i}]: {e}") from None
+        meta_d = d.get("meta", {})
+        meta_known = {f.name for f in dataclasses.fields(ProfileMeta)}
+        try:
+            meta = ProfileMeta(**{k: v for k, v in meta_d.items() if k in meta_known})
+        except TypeError as e:
+            raise ProfileError(f"{source}: meta: {e}") from None
+        try:
+            return cls(
+                nodes=tuple(nodes),
+                storage_bytes=tuple(d["storage_bytes"]),
+                model_outputs=tuple(d.get("model_outputs", ())),
+                loss=d.get("loss", ""),
+                grad_bytes=d.get("grad_bytes", 0),
+                optimizer_state_bytes=d.get("optimizer_state_bytes", 0),
+                optimizer_step_bytes=d.get("optimizer_step_bytes", 0),
+                meta=meta,
+                schema_version=version,
+            )
+        except ProfileError as e:
+            raise ProfileError(f"{source}: {e}") from None
+
+    def save(self, path: str | Path) -> Path:
+        """Write compact JSON; a path ending in ``.gz`` is gzip-compressed."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.to_dict(), separators=(",", ":"))
+        if path.suffix == ".gz":
+            with gzip.open(path, "wt", encoding="utf-8") as f:
+                f.write(text)
+        else:
+            path.write_text(text, encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read a profile written by `save`; raises `ProfileError` on anything malformed."""
+        path = Path(path)
+        try:
+            if path.suffix == ".gz":
+                with gzip.open(path, "rt", encoding="utf-8") as f:
+                    d = json.load(f)
+            else:
+                d = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ProfileError(f"{path}: no such profile file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+            raise ProfileError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d, source=str(path))
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _validate(p: Profile) -> None:
+    """Check everything a solver relies on; raise ProfileError naming the field."""
+    n_st = len(p.storage_bytes)
+    for s, b in enumerate(p.storage_bytes):
+        if not _is_count(b):
+            raise ProfileError(f"storage_bytes[{s}] is {b!r}, expected a non-negative integer")
+    for key in ("grad_bytes", "optimizer_state_bytes", "optimizer_step_bytes"):
+        v = getattr(p, key)
+        if not _is_count(v):
+            raise ProfileError(f"{key} is {v!r}, expected a non-negative integer")
+    seen: dict[str, int] = {}
+    owner: dict[int, str] = {}
+    last_phase = 0
+    for i, n in enumerate(p.nodes):
+        where = f"nodes[{i}] ({n.name!r})"
+        for key in ("name", "op", "phase"):
+            if not isinstance(getattr(n, key), str):
+                raise ProfileError(f"{where}: field {key!r} is not a string")
+        if not all(isinstance(x, str) for x in n.inputs):
+            raise ProfileError(f"{where}: inputs must be a list of node names")
+        if n.grad_of is not None and not isinstance(n.grad_of, str):
+            raise ProfileError(f"{where}: grad_of must be a node name or null")
+        if n.name in seen:
+            raise ProfileError(f"{where}: duplicate node name (first at nodes[{seen[n.name]}])")
+        if n.phase not in PHASES:
+            raise ProfileError(f"{where}: phase {n.phase!r} is not one of {PHASES}")
+        ph = PHASES.index(n.phase)
+        if ph < last_phase and not (n.phase in FIXED_PHASES and last_phase < 3):
+            raise ProfileError(
+                f"{where}: phase {n.phase!r} comes after a {PHASES[last_phase]!r} node; "
+                "nodes must be in execution order (placeholders, forward, loss, backward)"
+            )
+        last_phase = max(last_phase, ph)
+        for inp in n.inputs:
+            if inp not in seen:
+                if any(m.name == inp for m in p.nodes[i:]):
+                    raise ProfileError(
+                        f"{where}: input {inp!r} comes later in the graph; the nodes form a "
+                        "cycle or are not in execution order"
+                    )
+                raise ProfileError(f"{where}: input {inp!r} is not a node of this profile")
+        for key in ("flops", "bytes_moved"):
+            v = getattr(n, key)
+            if not _is_count(v):
+                raise ProfileError(f"{where}: {key} is {v!r}, expected a non-negative integer")
+        t = n.time_ms
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ProfileError(f"{where}: time_ms is {t!r}, expected a finite number >= 0")
+        for s in (*n.new_storages, *n.saves, *(() if n.storage is None else (n.storage,))):
+            if not _is_count(s) or s >= n_st:
+                raise ProfileError(
+                    f"{where}: storage id {s!r} is out of range (storage_bytes has {n_st} entries)"
+                )
+        for s in n.new_storages:
+            if s in owner:
+                raise ProfileError(
+                    f"{where}: allocates storage {s}, already allocated by {owner[s]!r}"
+                )
+            owner[s] = n.name
+        if n.storage is not None and n.storage not in owner:
+            raise ProfileError(f"{where}: output storage {n.storage} is not allocated before it")
+        for s in n.saves:
+            if s not in owner:
+                raise ProfileError(f"{where}: saves storage {s}, which no earlier node allocates")
+        if n.saves and n.phase not in ("forward", "loss"):
+            raise ProfileError(f"{where}: only forward and loss nodes save tensors for backward")
+        if n.grad_of is not None:
+            if n.phase != "backward":
+                raise ProfileError(f"{where}: grad_of is set on a {n.phase!r} node")
+            if n.grad_of not in seen:
+                raise ProfileError(f"{where}: grad_of {n.grad_of!r} is not an earlier node")
+            if p.nodes[seen[n.grad_of]].phase not in ("forward", "loss"):
+                raise ProfileError(
+                    f"{where}: grad_of {n.grad_of!r} is not a forward or loss node"
+                )
+        seen[n.name] = i
+    for name in p.model_outputs:
+        if name not in seen:
+            raise ProfileError(f"model_outputs names {name!r}, which is not a node")
+    if p.loss and p.loss not in seen:
+        raise ProfileError(f"loss names {p.loss!r}, which is not a node")
