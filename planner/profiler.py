@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.profiler import record_function
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import (
     FlopCounterMode,
@@ -112,7 +113,9 @@ class _Runner:
             for inp in n.all_input_nodes:
                 self.last_use[inp] = i
 
-    def run(self, *, analyze: bool, timed: bool, count_flops: bool) -> dict[str, Any]:
+    def run(
+        self, *, analyze: bool, timed: bool, count_flops: bool, marked: bool = False
+    ) -> dict[str, Any]:
         nodes = list(self.gm.graph.nodes)
         env: dict[fx.Node, Any] = {}
         storage_of: dict[fx.Node, Any] = {}  # node -> storage id, or list of ids for tuples
@@ -139,6 +142,9 @@ class _Runner:
                         out = n.target(*args, **kwargs)
                         self.sync()
                         times[n.name] = (time.perf_counter() - t0) * 1e3
+                    elif marked:
+                        with record_function(f"ckpt_node::{n.name}"):
+                            out = n.target(*args, **kwargs)
                     else:
                         out = n.target(*args, **kwargs)
                     if counter is not None:
@@ -203,6 +209,42 @@ class _Runner:
             cdata_of[n] = [p[1] for p in pairs]
         else:
             storage_of[n], cdata_of[n] = one(out)
+
+
+def _workspace_cpu(runner: _Runner) -> dict[str, int]:
+    """Bytes each op allocates and frees again while it runs (its workspace), measured on CPU from
+    the profiler's allocation events inside a per-node `record_function` window: the peak of the
+    running sum within the window minus what is still held at its end (the op's outputs)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        runner.run(analyze=False, timed=False, count_flops=False, marked=True)
+    out: dict[str, int] = {}
+
+    def allocations(e, acc):
+        for c in e.children:
+            if c.tag == _EventType.Allocation:
+                acc.append((c.start_time_ns, c.extra_fields.alloc_size))
+            else:
+                allocations(c, acc)
+        return acc
+
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.name.startswith("ckpt_node::"):
+            cur = peak = 0
+            for _, delta in sorted(allocations(e, [])):
+                cur += delta
+                peak = max(peak, cur)
+            ws = peak - max(cur, 0)
+            if ws > 0:
+                out[e.name.removeprefix("ckpt_node::")] = ws
+        else:
+            todo.extend(e.children)
+    return out
 
 
 def _is_view(target: Any) -> bool:
@@ -342,6 +384,9 @@ def profile_with_trace(
         info = runner.run(analyze=True, timed=False, count_flops=True)
         times: dict[str, float] = {}
         step_ms = None
+        if mode == "measure" and dev.type == "cpu":
+            say("measuring op workspace from allocation events")
+            info["workspace"] = _workspace_cpu(runner)
         if mode == "measure":
             runs = []
             for r in range(max(1, repeats) + 1):
@@ -533,6 +578,7 @@ def _build_profile(
                 grad_of=trace.grad_of.get(n.name),
                 flops=flops,
                 bytes_moved=moved,
+                workspace_bytes=int(info.get("workspace", {}).get(n.name, 0)),
                 time_ms=round(t, 6),
                 random=base in _RANDOM_OPS,
                 mutates_buffer=mutates,
@@ -566,6 +612,7 @@ def _build_profile(
         storage_bytes=tuple(info["storage_bytes"]),
         model_outputs=tuple(trace.model_outputs),
         loss=trace.loss,
+        grads=tuple(trace.grads),
         grad_bytes=grad_bytes,
         optimizer_state_bytes=optimizer_state_bytes,
         optimizer_step_bytes=optimizer_step_bytes,

@@ -78,6 +78,8 @@ class JointTrace:
     out_constants: list[Any]
     """Output leaves that are not tensors (kept as constants), aligned with out_spec's leaves."""
     loss: str
+    grads: list[str]
+    """Backward nodes holding the parameter gradients."""
     param_names: list[str]
     buffer_names: list[str]
     trainable: list[bool]
@@ -189,7 +191,9 @@ def trace_joint(
         ]
         out_tensors = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         marks["n_outputs"] = len(out_tensors)
-        return loss, [g for g in grads if g is not None], out_tensors
+        grads = [g for g in grads if g is not None]
+        marks["n_grads"] = len(grads)
+        return loss, grads, out_tensors
 
     plist = [
         t.detach().requires_grad_(tr) if t.is_floating_point() else t.detach()
@@ -267,6 +271,7 @@ def trace_joint(
     flat_out = list(pytree.tree_leaves(out_node.args[0]))
     loss_node = flat_out[0]
     out_nodes = flat_out[len(flat_out) - marks["n_outputs"]:]
+    grad_nodes = flat_out[1 : 1 + marks["n_grads"]]
     return JointTrace(
         gm=gm,
         phase=phase,
@@ -276,6 +281,7 @@ def trace_joint(
         out_spec=marks["out_spec"],
         out_constants=marks["out_constants"],
         loss=loss_node.name,
+        grads=[g.name for g in grad_nodes],
         param_names=param_names,
         buffer_names=buffer_names,
         trainable=trainable,

@@ -58,6 +58,9 @@ class Node:
     """Forward nodes: storages that this node's autograd node keeps for backward."""
     grad_of: str | None = None
     """Backward nodes: the forward node whose autograd node ran this op (None for the seed)."""
+    workspace_bytes: int = 0
+    """Bytes the op allocates and frees again while it runs (beyond its outputs); measured on
+    CPU from allocation events, 0 where unknown (estimate mode)."""
     flops: int = 0
     """Floating-point operations (FlopCounterMode's count; 0 for elementwise ops)."""
     bytes_moved: int = 0
@@ -101,6 +104,8 @@ class Profile:
     """Forward nodes that are the model's outputs, flattened."""
     loss: str = ""
     """The node holding the scalar loss."""
+    grads: tuple[str, ...] = ()
+    """Backward nodes holding parameter gradients (kept until the optimizer step)."""
     grad_bytes: int = 0
     """Bytes of parameter gradients (trainable parameters only), alive after backward."""
     optimizer_state_bytes: int = 0
@@ -186,6 +191,7 @@ class Profile:
             "meta": dataclasses.asdict(self.meta),
             "model_outputs": list(self.model_outputs),
             "loss": self.loss,
+            "grads": list(self.grads),
             "grad_bytes": self.grad_bytes,
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "optimizer_step_bytes": self.optimizer_step_bytes,
@@ -253,6 +259,7 @@ class Profile:
                 storage_bytes=tuple(d["storage_bytes"]),
                 model_outputs=tuple(d.get("model_outputs", ())),
                 loss=d.get("loss", ""),
+                grads=tuple(d.get("grads", ())),
                 grad_bytes=d.get("grad_bytes", 0),
                 optimizer_state_bytes=d.get("optimizer_state_bytes", 0),
                 optimizer_step_bytes=d.get("optimizer_step_bytes", 0),
@@ -336,7 +343,7 @@ def _validate(p: Profile) -> None:
                         "cycle or are not in execution order"
                     )
                 raise ProfileError(f"{where}: input {inp!r} is not a node of this profile")
-        for key in ("flops", "bytes_moved"):
+        for key in ("flops", "bytes_moved", "workspace_bytes"):
             v = getattr(n, key)
             if not _is_count(v):
                 raise ProfileError(f"{where}: {key} is {v!r}, expected a non-negative integer")
@@ -374,5 +381,8 @@ def _validate(p: Profile) -> None:
     for name in p.model_outputs:
         if name not in seen:
             raise ProfileError(f"model_outputs names {name!r}, which is not a node")
+    for name in p.grads:
+        if name not in seen:
+            raise ProfileError(f"grads names {name!r}, which is not a node")
     if p.loss and p.loss not in seen:
         raise ProfileError(f"loss names {p.loss!r}, which is not a node")

@@ -1,0 +1,98 @@
+"""The Schedule: which forward node ranges run as checkpointed regions, and what they keep."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from solvers.errors import ScheduleError
+
+__all__ = ["Region", "Schedule", "STATUSES", "SCHEDULE_SCHEMA", "SCHEDULE_VERSION"]
+
+SCHEDULE_SCHEMA = "ckpt-planner/schedule"
+SCHEDULE_VERSION = 1
+
+# Like cvxpy's solution statuses: a schedule always carries one.
+STATUSES = ("optimal", "feasible", "time_limit", "infeasible")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Region:
+    """A contiguous range of forward nodes run under non-reentrant `torch.utils.checkpoint`."""
+
+    start: str
+    """Name of the first forward node of the region."""
+    end: str
+    """Name of the last forward node of the region (inclusive)."""
+    saved: tuple[str, ...] = ()
+    """Nodes inside the region whose outputs are kept from forward (selective checkpointing,
+    MUST_SAVE); everything else the region saves is recomputed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """A solver's answer. `regions` is empty for "no checkpointing"."""
+
+    regions: tuple[Region, ...] = ()
+    method: str = ""
+    status: str = "feasible"
+    budget_bytes: int | None = None
+    predicted_peak_bytes: int = 0
+    predicted_recompute_ms: float = 0.0
+    min_peak_bytes: int | None = None
+    """Smallest peak the method could reach (set when the status is infeasible)."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    """Solver statistics: solve_time_s, gap, nodes, candidates, ..."""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ScheduleError(f"status {self.status!r} is not one of {STATUSES}")
+
+    @property
+    def feasible(self) -> bool:
+        return self.status in ("optimal", "feasible", "time_limit")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["regions"] = [
+            {"start": r.start, "end": r.end, "saved": list(r.saved)} for r in self.regions
+        ]
+        return {"schema": SCHEDULE_SCHEMA, "schema_version": SCHEDULE_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "schedule") -> Schedule:
+        if not isinstance(d, dict) or d.get("schema") != SCHEDULE_SCHEMA:
+            raise ScheduleError(f"{source}: not a ckpt-planner schedule (field 'schema')")
+        if d.get("schema_version") != SCHEDULE_VERSION:
+            raise ScheduleError(
+                f"{source}: schema_version {d.get('schema_version')!r} is not supported "
+                f"(expected {SCHEDULE_VERSION})"
+            )
+        try:
+            regions = tuple(
+                Region(start=r["start"], end=r["end"], saved=tuple(r.get("saved", ())))
+                for r in d.get("regions", [])
+            )
+            kw = {k: d[k] for k in (f.name for f in dataclasses.fields(cls)) if k in d}
+            kw["regions"] = regions
+            return cls(**kw)
+        except (KeyError, TypeError) as e:
+            raise ScheduleError(f"{source}: malformed schedule ({e})") from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1), encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Schedule:
+        path = Path(path)
+        try:
+            d = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ScheduleError(f"{path}: cannot read schedule ({e})") from None
+        return cls.from_dict(d, source=str(path))

@@ -1,0 +1,305 @@
+"""Replay a Schedule over a Profile: the peak memory and recompute time of one training step.
+
+This is the single source of truth every solver's answer is checked against. It follows what
+non-reentrant `torch.utils.checkpoint` does at run time (torch 2.13; see shared/DESIGN.md):
+
+- Forward runs node by node; a node's new storages are allocated when it runs and freed after their
+  last use. "Use" means: read by a later op (fx frees a value after its last reader), kept by an
+  autograd node for backward (freed when that autograd node has run, i.e. after the last backward op
+  it issued), or held as a parameter gradient / the loss until the step ends.
+- A checkpointed region keeps its inputs (the checkpoint frame saves its arguments) until the last
+  of its autograd nodes has run backward; tensors its ops would save are not kept, except the outputs
+  of nodes marked saved (selective checkpointing), which are kept from forward until the replay.
+- In backward, the first op of the region's backward that unpacks a saved tensor replays the region
+  from its start up to its last op that saves anything (early stop); every op before that point is
+  replayed except the saved ones, even ops that only feed saved ones. The replayed tensors the
+  region's autograd nodes need live until those nodes have run; the others die after their last
+  replayed reader.
+- With an optimizer, the step ends with its update: parameters, gradients, optimizer state and the
+  optimizer's transient memory.
+
+Memory is the sum of live storages' bytes, fixed memory (parameters, buffers, inputs, optimizer
+state) included, as `torch.cuda.max_memory_allocated` reports it. Op-internal workspace that never
+appears as a tensor is not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from solvers.errors import ScheduleError
+from solvers.profile import FIXED_PHASES, Profile
+from solvers.schedule import Region, Schedule
+
+__all__ = ["Simulation", "simulate", "GraphIndex", "graph_index"]
+
+
+@dataclass(frozen=True)
+class Simulation:
+    peak_bytes: int
+    """Peak memory of the step, fixed memory included."""
+    recompute_ms: float
+    """Time spent replaying regions."""
+    peak_at: str
+    """Label of the step where the peak occurs (a node name, or replay:<node>)."""
+    timeline: list[tuple[str, int]] = field(repr=False, default_factory=list)
+    """(label, bytes live after allocation) for every executed op, when asked for."""
+    after_forward_bytes: int = 0
+    """Bytes live when forward and loss are done (fixed memory excluded)."""
+
+
+class GraphIndex:
+    """Integer view of a profile, computed once per profile and shared by all simulations."""
+
+    def __init__(self, p: Profile):
+        nodes = p.nodes
+        self.n = len(nodes)
+        self.name_to_i = {nd.name: i for i, nd in enumerate(nodes)}
+        self.phase = [nd.phase for nd in nodes]
+        self.time = [nd.time_ms for nd in nodes]
+        self.ws = [nd.workspace_bytes for nd in nodes]
+        self.sbytes = list(p.storage_bytes)
+        self.new = [list(nd.new_storages) for nd in nodes]
+        self.producer: dict[int, int] = {}
+        for i, nd in enumerate(nodes):
+            for s in nd.new_storages:
+                self.producer[s] = i
+        self.fixed_storages = {
+            s for i, nd in enumerate(nodes) if nd.phase in FIXED_PHASES for s in nd.new_storages
+        }
+        out_storage = [nd.storage for nd in nodes]
+        # Storages each node reads: a tuple-valued input (multi-output op) holds all its outputs.
+        self.reads: list[list[int]] = []
+        for nd in nodes:
+            r: set[int] = set()
+            for name in nd.inputs:
+                j = self.name_to_i[name]
+                if out_storage[j] is not None:
+                    r.add(out_storage[j])
+                else:
+                    r.update(self.new[j])
+            self.reads.append(sorted(r - self.fixed_storages))
+        self.saves = [sorted(set(nd.saves)) for nd in nodes]
+        self.grad_of = [
+            self.name_to_i[nd.grad_of] if nd.grad_of is not None else -1 for nd in nodes
+        ]
+        self.forward = [i for i, ph in enumerate(self.phase) if ph == "forward"]
+        self.fwd_pos = {i: k for k, i in enumerate(self.forward)}
+        self.fwd_end = max((i for i, ph in enumerate(self.phase) if ph in ("forward", "loss")),
+                           default=-1)
+        # bw_end[f]: the last backward op issued by f's autograd node: its saved tensors die there.
+        self.bw_end: dict[int, int] = {}
+        self.bw_first_read: dict[int, int] = {}
+        for i in range(self.n):
+            g = self.grad_of[i]
+            if g >= 0:
+                self.bw_end[g] = i
+                if g not in self.bw_first_read and self.saves[g] and any(
+                    s in self.saves[g] for s in self._all_reads(nodes, i)
+                ):
+                    self.bw_first_read[g] = i
+        for g in list(self.bw_end):
+            if self.saves[g] and g not in self.bw_first_read:
+                self.bw_first_read[g] = self.bw_end[g]
+        # Fixed end-of-step holders: the loss and parameter gradients.
+        end = self.n
+        self.persist = set()
+        for name in (p.loss, *p.grads):
+            if name:
+                j = self.name_to_i[name]
+                if out_storage[j] is not None:
+                    self.persist.add(out_storage[j])
+                self.persist.update(self.new[j])
+        self.end = end
+        self.fixed_bytes = p.fixed_bytes
+        self.has_optimizer = bool(p.optimizer_state_bytes or p.optimizer_step_bytes)
+        self.optimizer_step_bytes = p.optimizer_step_bytes
+
+    def _all_reads(self, nodes, i: int) -> set[int]:
+        r: set[int] = set()
+        for name in nodes[i].inputs:
+            j = self.name_to_i[name]
+            st = nodes[j].storage
+            if st is not None:
+                r.add(st)
+            else:
+                r.update(self.new[j])
+        return r
+
+
+def graph_index(p: Profile) -> GraphIndex:
+    """The cached GraphIndex of a profile."""
+    g = p.__dict__.get("_graph_index")
+    if g is None:
+        g = GraphIndex(p)
+        object.__setattr__(p, "_graph_index", g)
+    return g
+
+
+@dataclass
+class _Reg:
+    nodes: list[int]
+    saved: set[int]
+    early_stop: int
+    trigger: int
+    bw_end: int
+    produced: set[int]
+
+
+def resolve_regions(p: Profile, schedule: Schedule | tuple[Region, ...]) -> list[_Reg]:
+    """Check a schedule's regions against the profile and turn them into node-index sets."""
+    g = graph_index(p)
+    regions = schedule.regions if isinstance(schedule, Schedule) else schedule
+    out: list[_Reg] = []
+    last_end = -1
+    for k, r in enumerate(regions):
+        try:
+            a, b = g.name_to_i[r.start], g.name_to_i[r.end]
+        except KeyError as e:
+            raise ScheduleError(
+                f"region {k} names node {e.args[0]!r}, which is not in this profile; was the "
+                "schedule made for another model or input shape?"
+            ) from None
+        if g.phase[a] != "forward" or g.phase[b] != "forward":
+            raise ScheduleError(f"region {k} ({r.start}..{r.end}) must start and end on forward nodes")
+        if a > b:
+            raise ScheduleError(f"region {k} starts after it ends ({r.start} > {r.end})")
+        if a <= last_end:
+            raise ScheduleError(f"region {k} ({r.start}..{r.end}) overlaps the region before it")
+        last_end = b
+        nodes = [i for i in range(a, b + 1) if g.phase[i] == "forward"]
+        saved = set()
+        for name in r.saved:
+            j = g.name_to_i.get(name)
+            if j is None or not a <= j <= b:
+                raise ScheduleError(f"region {k}: saved node {name!r} is not inside the region")
+            saved.add(j)
+        savers = [i for i in nodes if g.saves[i]]
+        early = max(savers) if savers else -1
+        trigger = min((g.bw_first_read[i] for i in savers if i in g.bw_first_read), default=-1)
+        bw_end = max((g.bw_end[i] for i in savers if i in g.bw_end), default=-1)
+        produced = {s for i in nodes for s in g.new[i]}
+        out.append(_Reg(nodes, saved, early, trigger, bw_end, produced))
+    return out
+
+
+def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
+             timeline: bool = False) -> Simulation:
+    """Peak bytes and recompute time of one training step of `p` under `schedule`."""
+    g = graph_index(p)
+    regs = [r for r in resolve_regions(p, schedule) if r.trigger >= 0]  # others never replay
+    region_of = {i: k for k, r in enumerate(regs) for i in r.nodes}
+
+    # 1. Original instances: the node index after which each storage is freed.
+    last: dict[int, int] = {}
+    for i in range(g.n):
+        gf = g.grad_of[i]
+        k = region_of.get(gf) if gf >= 0 else None
+        for s in g.reads[i]:
+            if k is not None and s in regs[k].produced:
+                continue  # this backward op reads the replay's copy
+            last[s] = i
+    for s in g.persist:
+        last[s] = g.end
+    for f in range(g.n):
+        if f in region_of or f not in g.bw_end:
+            continue
+        for s in g.saves[f]:  # saved by an op outside any region: kept until its backward ran
+            if s not in g.fixed_storages and g.bw_end[f] > last.get(s, -1):
+                last[s] = g.bw_end[f]
+
+    # 2. Regions: inputs held by the frame; selective saves held until the replay; replay copies.
+    replay_at: dict[int, list[int]] = {}
+    replay_ops: dict[int, list[tuple[int, list[int], list[int]]]] = {}
+    held: dict[int, int] = {}  # replay copies kept for backward: storage -> node index it dies at
+    recompute_ms = 0.0
+    for k, r in enumerate(regs):
+        replay_at.setdefault(r.trigger, []).append(k)
+        for i in r.nodes:
+            for s in g.reads[i]:
+                if s not in r.produced and r.bw_end > last.get(s, -1):
+                    last[s] = r.bw_end
+        hold: dict[int, int] = {}  # storages the region's autograd nodes need, until when
+        for i in r.nodes:
+            for s in g.saves[i]:
+                if s in r.produced and i in g.bw_end:
+                    hold[s] = max(hold.get(s, -1), g.bw_end[i])
+        for i in r.saved:
+            for s in g.new[i]:
+                last[s] = max(last.get(s, -1), hold.get(s, r.trigger))
+        ran = [i for i in r.nodes if i <= r.early_stop]
+        read_pos: dict[int, int] = {}
+        for pos, i in enumerate(ran):
+            for s in g.reads[i]:
+                if s in r.produced:
+                    read_pos[s] = pos
+        frees: dict[int, list[int]] = {}
+        ops = []
+        for pos, i in enumerate(ran):
+            if i in r.saved:
+                ops.append((i, []))
+                continue
+            recompute_ms += g.time[i]
+            ops.append((i, g.new[i]))
+            for s in g.new[i]:
+                if s in hold:
+                    held[s] = hold[s]
+                else:
+                    frees.setdefault(read_pos.get(s, pos), []).append(s)
+        replay_ops[k] = [(i, alloc, frees.get(pos, [])) for pos, (i, alloc) in enumerate(ops)]
+
+    # 3. Sweep the timeline.
+    free_orig: dict[int, list[int]] = {}
+    for s, t in last.items():
+        free_orig.setdefault(t, []).append(s)
+    free_held: dict[int, list[int]] = {}
+    for s, t in held.items():
+        free_held.setdefault(t, []).append(s)
+    sb, ws = g.sbytes, g.ws
+    names = [nd.name for nd in p.nodes]
+    mem = peak = after_forward = 0
+    peak_at = ""
+    tl: list[tuple[str, int]] = []
+    for i in range(g.n):
+        if g.phase[i] in FIXED_PHASES:
+            continue
+        for k in replay_at.get(i, ()):
+            for j, alloc, fr in replay_ops[k]:
+                for s in alloc:
+                    mem += sb[s]
+                if mem + ws[j] > peak:
+                    peak, peak_at = mem + ws[j], f"replay:{names[j]}"
+                if timeline:
+                    tl.append((f"replay:{names[j]}", mem))
+                for s in fr:
+                    mem -= sb[s]
+        for s in g.new[i]:
+            mem += sb[s]
+        if mem + ws[i] > peak:
+            peak, peak_at = mem + ws[i], names[i]
+        if timeline:
+            tl.append((names[i], mem))
+        for s in free_orig.get(i, ()):
+            mem -= sb[s]
+        for s in free_held.get(i, ()):
+            mem -= sb[s]
+        for s in g.new[i]:
+            if s not in last:  # nobody reads it: freed as soon as it is made
+                mem -= sb[s]
+        if i == g.fwd_end:
+            after_forward = mem
+    if g.has_optimizer:
+        # The update runs with the gradients still live, plus its own temporaries.
+        opt = mem + g.optimizer_step_bytes
+        if opt > peak:
+            peak, peak_at = opt, "optimizer.step"
+        if timeline:
+            tl.append(("optimizer.step", opt))
+    fixed = g.fixed_bytes
+    return Simulation(
+        peak_bytes=peak + fixed,
+        recompute_ms=recompute_ms,
+        peak_at=peak_at,
+        timeline=[(label, b + fixed) for label, b in tl],
+        after_forward_bytes=after_forward,
+    )
