@@ -176,6 +176,14 @@ def resolve_regions(p: Profile, schedule: Schedule | tuple[Region, ...]) -> list
             saved.add(j)
         savers = [i for i in nodes if g.saves[i]]
         early = max(savers) if savers else -1
+        # Early stop fires inside the last saving op, as soon as it packs its last tensor. Ops pack
+        # their saved inputs before they compute and their saved outputs after: an op that saves
+        # only inputs (mul saving a dropout mask, mm saving its operands) never computes in the
+        # replay, so its output is not allocated and its time not spent.
+        if early >= 0 and not set(g.saves[early]) & set(g.new[early]):
+            early -= 1
+            while early >= 0 and g.phase[early] != "forward":
+                early -= 1
         trigger = min((g.bw_first_read[i] for i in savers if i in g.bw_first_read), default=-1)
         bw_end = max((g.bw_end[i] for i in savers if i in g.bw_end), default=-1)
         produced = {s for i in nodes for s in g.new[i]}
