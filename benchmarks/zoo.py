@@ -1,0 +1,226 @@
+"""Full-size benchmark models: ResNet-50, U-Net, GPT-2 small, Llama-7B.
+
+Every builder returns ``(model, example_inputs)`` and takes ``device`` (default ``"meta"``: nothing
+is materialised, for estimate-mode profiles) and ``dtype`` (default bfloat16), plus the sizes, so
+the same definitions serve small real-tensor runs too. The CNNs are plain torch; the transformers
+come from Hugging Face `transformers` with SDPA attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["Bottleneck", "ResNet50", "UNet", "resnet50", "unet", "gpt2_small", "llama7b"]
+
+
+# -- ResNet-50 (He et al. 2016, torchvision layout) -------------------------------------------------
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3 (carrying the stride), 1x1 expand (x4), BatchNorm after each; residual."""
+
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int = 1):
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class ResNet50(nn.Module):
+    def __init__(
+        self,
+        layers: tuple[int, ...] = (3, 4, 6, 3),
+        widths: tuple[int, ...] = (64, 128, 256, 512),
+        classes: int = 1000,
+    ):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        stages = []
+        cin = 64
+        for i, (n, w) in enumerate(zip(layers, widths, strict=True)):
+            blocks = []
+            for j in range(n):
+                blocks.append(Bottleneck(cin, w, stride=2 if (i > 0 and j == 0) else 1))
+                cin = w * Bottleneck.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet50(
+    batch: int = 64,
+    image: int = 224,
+    *,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.bfloat16,
+    layers: tuple[int, ...] = (3, 4, 6, 3),
+    widths: tuple[int, ...] = (64, 128, 256, 512),
+    classes: int = 1000,
+):
+    """ResNet-50 (25.6 M parameters at the defaults) on a batch of images; loss: mean logit."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = ResNet50(tuple(layers), tuple(widths), classes).to(dtype)
+        x = torch.randn(batch, 3, image, image, dtype=dtype)
+    return model, x
+
+
+# -- U-Net (Ronneberger et al. 2015, padded convolutions, BatchNorm) ----------------------------------
+class DoubleConv(nn.Module):
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(cout, cout, 3, padding=1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class UNet(nn.Module):
+    """`depth` down steps (max-pool), a bottleneck, `depth` up steps (transposed conv + skip)."""
+
+    def __init__(self, base: int = 64, depth: int = 4, in_channels: int = 3, out_channels: int = 1):
+        super().__init__()
+        chans = [base * 2**i for i in range(depth + 1)]
+        self.downs = nn.ModuleList()
+        cin = in_channels
+        for c in chans[:-1]:
+            self.downs.append(DoubleConv(cin, c))
+            cin = c
+        self.pool = nn.MaxPool2d(2)
+        self.bottleneck = DoubleConv(chans[-2], chans[-1])
+        self.ups = nn.ModuleList()
+        self.up_convs = nn.ModuleList()
+        for c_hi, c_lo in zip(reversed(chans[1:]), reversed(chans[:-1]), strict=True):
+            self.ups.append(nn.ConvTranspose2d(c_hi, c_lo, 2, stride=2))
+            self.up_convs.append(DoubleConv(2 * c_lo, c_lo))
+        self.head = nn.Conv2d(chans[0], out_channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for down in self.downs:
+            x = down(x)
+            skips.append(x)
+            x = self.pool(x)
+        x = self.bottleneck(x)
+        for up, conv, skip in zip(self.ups, self.up_convs, reversed(skips), strict=True):
+            x = conv(torch.cat([up(x), skip], dim=1))
+        return self.head(x)
+
+
+def unet(
+    batch: int = 8,
+    image: int = 256,
+    *,
+    base: int = 64,
+    depth: int = 4,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.bfloat16,
+):
+    """U-Net (31 M parameters at base 64, depth 4) on a batch of RGB images; loss: mean output."""
+    if image % 2**depth:
+        raise ValueError(f"image size {image} must be divisible by 2**depth = {2**depth}")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = UNet(base, depth).to(dtype)
+        x = torch.randn(batch, 3, image, image, dtype=dtype)
+    return model, x
+
+
+# -- Hugging Face transformers ----------------------------------------------------------------------
+def _token_batch(batch: int, seq: int, vocab: int, device) -> dict[str, torch.Tensor]:
+    with torch.device(device):
+        ids = (
+            torch.randint(0, vocab, (batch, seq))
+            if str(device) != "meta"
+            else torch.zeros(batch, seq, dtype=torch.long)
+        )
+    return {"input_ids": ids, "labels": ids}
+
+
+def gpt2_small(
+    batch: int = 8,
+    seq: int = 1024,
+    *,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.bfloat16,
+    **config_overrides,
+):
+    """`GPT2LMHeadModel(GPT2Config())` (124 M parameters), SDPA attention, input_ids + labels.
+
+    Attention dropout is off by default (``attn_pdrop=0``; residual and embedding dropout stay at
+    0.1): with it on, a CPU trace takes SDPA's math path, which stores the float32 (seq x seq)
+    attention probabilities and dropout mask (about 1.3 GiB per layer here) that a GPU's
+    flash/memory-efficient kernel never stores, so an estimate for a GPU would be far off.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(**{"attn_pdrop": 0.0, **config_overrides})
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = GPT2LMHeadModel(config).to(dtype)
+    return model, _token_batch(batch, seq, config.vocab_size, device)
+
+
+def llama7b(
+    batch: int = 1,
+    seq: int = 4096,
+    *,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.bfloat16,
+    **config_overrides,
+):
+    """A Llama-style 7B (hidden 4096, MLP 11008, 32 layers, 32 heads, vocab 32000; 6.74 B
+    parameters), SDPA attention, input_ids + labels."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=max(4096, seq),
+    )
+    kw.update(config_overrides)
+    config = LlamaConfig(**kw)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model, _token_batch(batch, seq, config.vocab_size, device)
