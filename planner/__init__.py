@@ -9,10 +9,28 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["profile"]
+__all__ = [
+    "InfeasibleBudgetError",
+    "Measurement",
+    "Plan",
+    "PlanNotEffectiveError",
+    "TraceError",
+    "apply",
+    "measure",
+    "plan",
+    "profile",
+]
 
 _LAZY = {
     "profile": "planner.profiler",
+    "plan": "planner.api",
+    "apply": "planner.api",
+    "Plan": "planner.api",
+    "InfeasibleBudgetError": "planner.api",
+    "PlanNotEffectiveError": "planner.api",
+    "measure": "planner.measure",
+    "Measurement": "planner.measure",
+    "TraceError": "planner.trace",
 }
 
 
