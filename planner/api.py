@@ -182,7 +182,8 @@ class Plan:
 def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn) -> tuple[torch.Tensor, dict]:
     """Loss and gradients of one step from a fixed seed; parameters, buffers, grads restored."""
     args, kwargs = split_inputs(example_inputs)
-    params = dict(module.named_parameters())
+    owner = module.model if isinstance(module, PlannedModule) else module
+    params = dict(owner.named_parameters())
     state = copy.deepcopy({k: v.detach() for k, v in module.state_dict().items()})
     old = {k: p.grad for k, p in params.items()}
     with torch.random.fork_rng():
@@ -191,8 +192,7 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn) -> tuple[to
             p.grad = None
         loss = loss_fn(module(*args, **kwargs))
         loss.backward()
-    grads = {k.removeprefix("model."): p.grad.detach().clone()
-             for k, p in params.items() if p.grad is not None}
+    grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
     with torch.no_grad():
         for k, v in module.state_dict().items():
             v.copy_(state[k])

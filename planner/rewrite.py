@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -63,9 +64,12 @@ class _BufferSafe:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _recomputing():
             args = list(args)
-            for i in self.positions:
-                if i < len(args) and isinstance(args[i], torch.Tensor):
-                    args[i] = args[i].clone()
+            # Clone outside any dispatch mode: a selective-checkpoint replay must run exactly the
+            # ops its forward ran, and an extra clone would not be found in its cache.
+            with _disable_current_modes():
+                for i in self.positions:
+                    if i < len(args) and isinstance(args[i], torch.Tensor):
+                        args[i] = args[i].clone()
         return self.target(*args, **kwargs)
 
 

@@ -228,10 +228,10 @@ def trace_joint(
             phase[n.name], module[n.name] = "input", f"input[{i - n_p - n_b}]"
 
     # Phase and module of each op: graph positions are node counts at the time of the mark.
-    events = sorted(marks["module_events"])
+    events = marks["module_events"]  # chronological: positions never decrease
     ev = 0
     current_module = ""
-    grad_marks = sorted(marks["grad_marks"])
+    grad_marks = marks["grad_marks"]
     gm_i = 0
     current_seq: int | None = None
     seq_owner: dict[int, str] = {}

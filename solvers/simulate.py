@@ -220,6 +220,7 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
     replay_at: dict[int, list[int]] = {}
     replay_ops: dict[int, list[tuple[int, list[int], list[int]]]] = {}
     held: dict[int, int] = {}  # replay copies kept for backward: storage -> node index it dies at
+    replay_freed: set[int] = set()  # originals (selective saves) that die inside a replay
     recompute_ms = 0.0
     for k, r in enumerate(regs):
         replay_at.setdefault(r.trigger, []).append(k)
@@ -232,9 +233,6 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
             for s in g.saves[i]:
                 if s in r.produced and i in g.bw_end:
                     hold[s] = max(hold.get(s, -1), g.bw_end[i])
-        for i in r.saved:
-            for s in g.new[i]:
-                last[s] = max(last.get(s, -1), hold.get(s, r.trigger))
         ran = [i for i in r.nodes if i <= r.early_stop]
         read_pos: dict[int, int] = {}
         for pos, i in enumerate(ran):
@@ -245,6 +243,15 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
         ops = []
         for pos, i in enumerate(ran):
             if i in r.saved:
+                # Selective saves are cached from forward; the replay consumes the cache entry, so
+                # an output no backward op needs dies after its last replayed reader.
+                for s in g.new[i]:
+                    if s in hold:
+                        last[s] = max(last.get(s, -1), hold[s])
+                    elif last.get(s, -1) < r.trigger:
+                        last.pop(s, None)
+                        replay_freed.add(s)
+                        frees.setdefault(read_pos.get(s, pos), []).append(s)
                 ops.append((i, []))
                 continue
             recompute_ms += g.time[i]
@@ -255,6 +262,10 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
                 else:
                     frees.setdefault(read_pos.get(s, pos), []).append(s)
         replay_ops[k] = [(i, alloc, frees.get(pos, [])) for pos, (i, alloc) in enumerate(ops)]
+        for i in r.saved:
+            if i > r.early_stop:  # never replayed: its cache entry lives until the replay ends
+                for s in g.new[i]:
+                    last[s] = max(last.get(s, -1), hold.get(s, r.trigger))
 
     # 3. Sweep the timeline.
     free_orig: dict[int, list[int]] = {}
@@ -292,7 +303,7 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
         for s in free_held.get(i, ()):
             mem -= sb[s]
         for s in g.new[i]:
-            if s not in last:  # nobody reads it: freed as soon as it is made
+            if s not in last and s not in replay_freed:  # nobody reads it: freed at once
                 mem -= sb[s]
         if i == g.fwd_end:
             after_forward = mem
