@@ -5,6 +5,9 @@ Nothing in this package imports torch, so a profile recorded on a GPU box can be
 
 from solvers.errors import CkptPlannerError, ProfileError, ScheduleError, SolverUnavailableError
 from solvers.profile import Node, Profile, ProfileMeta
+from solvers.schedule import Region, Schedule
+from solvers.simulate import simulate
+from solvers.solve import available_methods, solve
 
 __all__ = [
     "CkptPlannerError",
@@ -12,6 +15,11 @@ __all__ = [
     "Profile",
     "ProfileError",
     "ProfileMeta",
+    "Region",
+    "Schedule",
     "ScheduleError",
     "SolverUnavailableError",
+    "available_methods",
+    "simulate",
+    "solve",
 ]

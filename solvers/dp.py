@@ -1,0 +1,365 @@
+"""`dp`: the cheapest schedule over a chain of candidate cuts, by dynamic programming (rotor-style).
+
+Beaumont et al. (rotor, "Optimal checkpointing for heterogeneous chains", 2019/2021) solve a chain
+exactly with a DP over (stage, memory) states. We do the same over the candidate cuts
+c_0 = start < c_1 < ... < c_K < end of `solvers.candidates.cut_points`: a plan splits the chain at
+some of the cuts; each segment [a, b] (forward positions) is kept, checkpointed as one region, or
+checkpointed selectively (keeping its matmul outputs, the torchtitan policy).
+
+Memory model (all bytes, per segment S = [a, b]; w(s) = bytes of storage s, p(s) its producer,
+q1(s) its first forward saver, lr(s) its last forward reader; fixed memory excluded):
+- kept(S) when kept: what S's ops save, each storage counted at its first saver:
+  sum of w(s) with q1(s) in [a, b];
+- kept(S) when checkpointed: its inputs nobody saved earlier (p < a, q1 >= a, read in S) plus its
+  outputs that its own ops save and later segments read (a <= p, q1 <= b < lr): those a later
+  segment would otherwise count as already held;
+- own(S): memory while S's backward runs: kept(S) plus, when checkpointed, the replayed storages
+  its backward needs (a <= p, q1 <= b), less the matmul outputs a selective region did not drop.
+Peak model: G + max over segments S of (sum of kept(S') over S' before S) + own(S), where
+G = simulate(no checkpointing).peak - kept(whole chain kept) is calibrated on the unchecked step
+(fixed memory, loss, activation gradients, workspace). Time: a checkpointed segment replays its ops
+up to its last saving op (early stop, as `simulate` places it); a selective one skips its saved matmuls.
+
+The model is an approximation (it ignores transient non-saved tensors during replay, and storages
+read across several segments), so every answer is checked with `simulate`; when the simulated peak
+overshoots a target, the DP is re-solved with its internal budget lowered by the overshoot
+(`GRID_ITERS` times). Targets form a fixed grid per profile (`_pool`), so a larger budget never
+costs more; the best plan that truly fits is returned, compared with the baselines' schedules (all
+of which lie in the DP's search space when their cuts are candidates), so `dp` never does worse
+than a baseline. Status `optimal` means: the DP's own optimum at the budget fitted on the first
+try and nothing cheaper was found.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from solvers.baselines import _is_matmul, region
+from solvers.candidates import cut_points
+from solvers.profile import Profile
+from solvers.schedule import Region, Schedule
+from solvers.simulate import graph_index, simulate
+from solvers.solve import BASELINES, METHODS, register
+
+__all__ = ["MEMORY_BUCKETS", "GRID_POINTS", "POOL_BUCKETS", "ChainModel", "chain_model", "dp"]
+
+MEMORY_BUCKETS = 1000
+"""The DP's memory axis: the bytes available to activations, budget - G, is cut into this many
+units u, and every segment's kept and own bytes are rounded UP to whole units. The DP therefore
+never overestimates the budget: its answers are feasible for the model, and each segment of a plan
+overstates memory by less than u = (budget - G) / 1000, i.e. a plan of n segments loses at most
+n * 0.1% of the activation budget against the exact model optimum."""
+
+KEEP, CKPT, SEL = 0, 1, 2
+
+
+@dataclass
+class ChainModel:
+    """Per-segment quantities of the DP, for every pair of candidate cuts (i < j)."""
+
+    cuts: list[int]
+    """Forward positions of the cuts, starting with -1 (chain start) and ending with F - 1."""
+    g_bytes: int
+    """Calibrated constant G (see module docstring)."""
+    time: np.ndarray
+    """(K1, K1, 3) recompute ms of segment (i, j) by type."""
+    add: np.ndarray
+    """(K1, K1, 3) bytes the segment keeps through backward."""
+    own: np.ndarray
+    """(K1, K1, 3) bytes while the segment's backward runs."""
+    has_mm: np.ndarray
+    """(K1, K1) the segment holds a matmul-class op (selective is a distinct option)."""
+
+
+def chain_model(profile: Profile) -> ChainModel:
+    """Precompute the DP's per-segment quantities (numpy; prefix sums and 2-D difference arrays)."""
+    cached = profile.__dict__.get("_chain_model")
+    if cached is not None:
+        return cached
+    g = graph_index(profile)
+    fwd = g.forward
+    n = len(fwd)
+    cuts = [-1, *sorted({g.fwd_pos[i] for i in cut_points(profile)} - {n - 1}), n - 1]
+    k1 = len(cuts)
+    starts = np.array([c + 1 for c in cuts])
+    ends = np.array(cuts)
+    fixed = g.fixed_storages
+    # Per position.
+    t = np.array([g.time[i] for i in fwd], dtype=float)
+    mm = np.array([_is_matmul(profile.nodes[i].op) for i in fwd])
+    saver = np.array([bool(g.saves[i]) for i in fwd])
+    # stop[b]: the last op a region ending at b replays (the simulator's early stop: inside the last
+    # saving op, which does not compute when it saves only its inputs).
+    stop = np.full(n, -1)
+    cur = -1
+    for k, i in enumerate(fwd):
+        if saver[k]:
+            cur = k if set(g.saves[i]) & set(g.new[i]) else k - 1
+        stop[k] = cur
+    tcum = np.concatenate([[0.0], np.cumsum(t)])
+    tnm = np.concatenate([[0.0], np.cumsum(np.where(mm, 0.0, t))])
+    mm_bytes = np.zeros(n)
+    # Per storage.
+    prod: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    q1: dict[int, int] = {}
+    for k, i in enumerate(fwd):
+        for s in g.new[i]:
+            prod[s] = k
+            if mm[k]:
+                mm_bytes[k] += g.sbytes[s]
+        for s in g.reads[i]:
+            readers.setdefault(s, []).append(k)
+        for s in g.saves[i]:
+            if s not in fixed and s not in q1:
+                q1[s] = k
+    mmcum = np.concatenate([[0.0], np.cumsum(mm_bytes)])
+    q1_bytes = np.zeros(n)
+    for s, k in q1.items():
+        q1_bytes[k] += g.sbytes[s]
+    q1cum = np.concatenate([[0.0], np.cumsum(q1_bytes)])
+    # 2-D difference arrays over (start cut i, end position b): rows i with start_i <= p(s).
+    d_out = np.zeros((k1 + 1, n + 1))
+    d_hold = np.zeros((k1 + 1, n + 1))
+    d_hold_nm = np.zeros((k1 + 1, n + 1))
+    inputs_at: list[list[tuple[int, int]]] = [[] for _ in range(k1)]  # i -> (first reader >= a, w)
+    for s, p in prod.items():
+        w = g.sbytes[s]
+        if w == 0:
+            continue
+        rmax = bisect.bisect_right(cuts, p - 1)  # rows 0..rmax-1 have start <= p
+        rd = readers.get(s, [])
+        lr = rd[-1] if rd else -1
+        f = q1.get(s)
+        if f is not None:
+            for d in (d_hold, *((d_hold_nm,) if not mm[p] else ())):
+                d[0, f] += w
+                d[rmax, f] -= w
+            if lr > f:
+                d_out[0, f] += w
+                d_out[rmax, f] -= w
+                d_out[0, lr] -= w
+                d_out[rmax, lr] += w
+        # Inputs of segments starting after p, not saved before the segment starts.
+        for i in range(rmax, k1):
+            a = starts[i]
+            if a > lr:
+                break
+            if f is not None and f < a:
+                break
+            r = rd[bisect.bisect_left(rd, a)]
+            inputs_at[i].append((r, w))
+    out2 = np.cumsum(np.cumsum(d_out, axis=0), axis=1)[:k1, ends]
+    hold2 = np.cumsum(np.cumsum(d_hold, axis=0), axis=1)[:k1, ends]
+    hold_nm2 = np.cumsum(np.cumsum(d_hold_nm, axis=0), axis=1)[:k1, ends]
+    inp2 = np.zeros((k1, k1))
+    for i, lst in enumerate(inputs_at):
+        if lst:
+            lst.sort()
+            rs = np.array([r for r, _ in lst])
+            cw = np.concatenate([[0.0], np.cumsum([w for _, w in lst])])
+            inp2[i] = cw[np.searchsorted(rs, ends, side="right")]
+    a_ = starts[:, None]
+    b_ = ends[None, :]
+    e_ = stop[ends][None, :]
+    replays = e_ >= a_
+    e_safe = np.maximum(e_, a_ - 1)
+    time = np.zeros((k1, k1, 3))
+    time[:, :, CKPT] = np.where(replays, tcum[e_safe + 1] - tcum[a_], 0.0)
+    time[:, :, SEL] = np.where(replays, tnm[e_safe + 1] - tnm[a_], 0.0)
+    keep = q1cum[b_ + 1] - q1cum[a_]
+    ck = inp2 + out2
+    add = np.zeros((k1, k1, 3))
+    own = np.zeros((k1, k1, 3))
+    add[:, :, KEEP] = own[:, :, KEEP] = keep
+    add[:, :, CKPT] = ck
+    own[:, :, CKPT] = ck + hold2
+    add[:, :, SEL] = ck + (mmcum[b_ + 1] - mmcum[a_])
+    own[:, :, SEL] = add[:, :, SEL] + hold_nm2
+    has_mm = (mmcum[b_ + 1] - mmcum[a_]) > 0
+    g_bytes = simulate(profile).peak_bytes - int(q1cum[-1])
+    model = ChainModel(cuts, g_bytes, time, add, own, has_mm)
+    object.__setattr__(profile, "_chain_model", model)
+    return model
+
+
+def _solve_chain(m: ChainModel, budget_bytes: float, buckets: int = MEMORY_BUCKETS):
+    """Minimum-time plan with model peak <= budget: a list of (i, j, type), or None."""
+    cap = budget_bytes - m.g_bytes
+    if cap <= 0:
+        return None
+    k1 = len(m.cuts)
+    u = cap / buckets
+    add_u = np.ceil(m.add / u - 1e-9).astype(np.int64)
+    own_u = np.ceil(m.own / u - 1e-9).astype(np.int64)
+    inf = math.inf
+    cost = np.full((k1, buckets + 1), inf)
+    par = np.full((k1, buckets + 1), -1, dtype=np.int64)  # i * 3 + type
+    cost[0, 0] = 0.0
+    first = [0] + [buckets + 1] * (k1 - 1)  # smallest finite memory state per cut
+    times = m.time.tolist()
+    for j in range(1, k1):
+        cj, pj = cost[j], par[j]
+        for i in range(j):
+            lo = first[i]
+            if lo > buckets:
+                continue
+            for typ in (KEEP, CKPT, SEL):
+                if typ == KEEP and i != j - 1:
+                    continue  # kept segments compose additively: one cut at a time suffices
+                if typ == SEL and not m.has_mm[i, j]:
+                    continue
+                o, ad = int(own_u[i, j, typ]), int(add_u[i, j, typ])
+                top = buckets - o  # states m with m + own <= buckets
+                if top < lo:
+                    continue
+                src = cost[i, lo : top + 1] + times[i][j][typ]
+                dst = cj[lo + ad : top + 1 + ad]
+                better = src < dst
+                if better.any():
+                    dst[better] = src[better]
+                    pj[lo + ad : top + 1 + ad][better] = i * 3 + typ
+        finite = np.flatnonzero(cj < inf)
+        if finite.size:
+            first[j] = int(finite[0])
+    end = cost[k1 - 1]
+    if not np.isfinite(end).any():
+        return None
+    mem = int(np.argmin(end))
+    plan = []
+    j = k1 - 1
+    while j > 0:
+        code = int(par[j, mem])
+        i, typ = divmod(code, 3)
+        plan.append((i, j, typ))
+        mem -= int(add_u[i, j, typ])
+        j = i
+    plan.reverse()
+    return plan
+
+
+def _regions(profile: Profile, m: ChainModel, plan) -> tuple[Region, ...]:
+    g = graph_index(profile)
+    regs = []
+    for i, j, typ in plan:
+        if typ == KEEP:
+            continue
+        a, b = m.cuts[i] + 1, m.cuts[j]
+        saved: tuple[str, ...] = ()
+        if typ == SEL:
+            saved = tuple(
+                profile.nodes[g.forward[k]].name
+                for k in range(a, b + 1)
+                if _is_matmul(profile.nodes[g.forward[k]].op)
+            )
+        regs.append(region(profile, a, b, saved))
+    return tuple(regs)
+
+
+def _incumbents(profile: Profile, budget_bytes: int) -> list[tuple[str, tuple[Region, ...]]]:
+    return [
+        (name, METHODS[name](profile, budget_bytes, None).regions)
+        for name in BASELINES
+        if name in METHODS
+    ]
+
+
+GRID_POINTS = 24
+"""Targets, evenly spaced from the smallest peak the DP reaches to the no-checkpoint peak."""
+POOL_BUCKETS = 250
+"""`MEMORY_BUCKETS` for the pool's solves (4x faster; error per segment < 0.4% of the budget)."""
+GRID_ITERS = 3
+"""Re-solves per target after the simulation overshoots it."""
+
+
+def _pool(profile: Profile, m: ChainModel, none_peak: int, budget_bytes: int
+          ) -> list[tuple[int, float, tuple[Region, ...]]]:
+    """Verified DP plans, (peak, recompute ms, regions), for the targets of a fixed grid up to one step
+    above the budget. The grid (smallest peak the DP reaches to the unchecked peak) does not
+    depend on the budget, and a larger budget only adds targets, so `dp`'s answer never costs more
+    at a larger budget (the property `solve` promises). Solved targets are cached on the profile."""
+    cache = profile.__dict__.get("_dp_pool")
+    if cache is None:
+        cache = {"found": {}, "done": set()}
+        object.__setattr__(profile, "_dp_pool", cache)
+    found: dict[tuple[Region, ...], tuple[int, float]] = cache["found"]
+
+    def sim(plan) -> int:
+        regs = _regions(profile, m, plan)
+        if regs not in found:
+            r = simulate(profile, regs)
+            found[regs] = (r.peak_bytes, r.recompute_ms)
+        return found[regs][0]
+
+    if "floor" not in cache:
+        # The smallest model budget with a plan, by bisection: the low end of the grid.
+        lo, hi = float(m.g_bytes), float(none_peak)
+        for _ in range(10):
+            mid = (lo + hi) / 2
+            plan = _solve_chain(m, mid, POOL_BUCKETS)
+            if plan is None:
+                lo = mid
+            else:
+                sim(plan)
+                hi = mid
+        cache["floor"] = min((pk for pk, _ in found.values()), default=none_peak)
+    floor = cache["floor"]
+    for k in range(GRID_POINTS + 1):
+        step = (none_peak - floor) / GRID_POINTS
+        target = floor + step * k
+        if target > budget_bytes + step:  # one target above the budget: its plan may still fit
+            break
+        if k in cache["done"]:
+            continue
+        cache["done"].add(k)
+        internal = target
+        for _ in range(GRID_ITERS):
+            plan = _solve_chain(m, internal, POOL_BUCKETS)
+            if plan is None:
+                break
+            peak = sim(plan)
+            if peak <= target:
+                break
+            internal -= peak - target
+    return [(pk, ms, regs) for regs, (pk, ms) in found.items()]
+
+
+@register("dp")
+def dp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
+    """The cheapest schedule over the chain of candidate cuts that the simulator says fits.
+
+    The answer is the best schedule that fits among the DP's verified plans for a fixed grid of
+    targets (`_pool`) and the baselines' schedules. The DP is also solved at the budget itself:
+    when that plan fits and nothing found is cheaper, the status is `optimal` (optimal for the
+    chain model over the candidate cuts, to within `MEMORY_BUCKETS`).
+    """
+    m = chain_model(profile)
+    stats: dict = {"candidates": len(m.cuts) - 2, "g_bytes": m.g_bytes}
+    none_peak = simulate(profile).peak_bytes
+    if none_peak <= budget_bytes:  # nothing to recompute: no regions is optimal
+        return Schedule(regions=(), method="dp", status="optimal", stats=stats)
+    options = [(pk, ms, regs, "dp") for pk, ms, regs in _pool(profile, m, none_peak, budget_bytes)]
+    for name, regs in _incumbents(profile, budget_bytes):
+        r = simulate(profile, regs)
+        options.append((r.peak_bytes, r.recompute_ms, regs, name))
+    min_peak, _, min_regs, _ = min(options, key=lambda o: (o[0], o[1]))
+    fits = [o for o in options if o[0] <= budget_bytes]
+    stats["pool"] = len(options)
+    if not fits:
+        return Schedule(regions=min_regs, method="dp", status="infeasible",
+                        min_peak_bytes=int(min_peak), stats=stats)
+    peak, ms, regs, source = min(fits, key=lambda o: (o[1], o[0], len(o[2])))
+    stats["source"] = source
+    status = "feasible"
+    plan = _solve_chain(m, budget_bytes)
+    if plan is not None:
+        r = simulate(profile, _regions(profile, m, plan))
+        stats["direct_ms"] = r.recompute_ms if r.peak_bytes <= budget_bytes else None
+        if r.peak_bytes <= budget_bytes and r.recompute_ms <= ms + 1e-9:
+            status = "optimal"
+    return Schedule(regions=regs, method="dp", status=status, min_peak_bytes=int(min_peak),
+                    stats=stats)
