@@ -73,10 +73,16 @@ class _BufferSafe:
         return self.target(*args, **kwargs)
 
 
+_UNANNOTATED_BN = {"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"}
+
+
 def _written_positions(target: Any) -> list[int]:
     schema = getattr(target, "_schema", None)
     if schema is None:
         return []
+    if schema.name in _UNANNOTATED_BN:
+        # these update running_mean/running_var (args 3, 4) in place, but their schemas do not say so
+        return [3, 4]
     return [
         i
         for i, a in enumerate(schema.arguments)

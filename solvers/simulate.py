@@ -31,7 +31,10 @@ from solvers.errors import ScheduleError
 from solvers.profile import FIXED_PHASES, Profile
 from solvers.schedule import Region, Schedule
 
-__all__ = ["Simulation", "simulate", "GraphIndex", "graph_index"]
+__all__ = ["CPU_RNG_STATE_BYTES", "Simulation", "simulate", "GraphIndex", "graph_index"]
+
+CPU_RNG_STATE_BYTES = 5056
+"""Size of `torch.get_rng_state()` (the mt19937 state), saved by every region with random ops."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ class GraphIndex:
         self.phase = [nd.phase for nd in nodes]
         self.time = [nd.time_ms for nd in nodes]
         self.ws = [nd.workspace_bytes for nd in nodes]
+        self.random = [nd.random for nd in nodes]
+        # checkpoint(preserve_rng_state=True) keeps torch.get_rng_state() (a 5056-byte CPU tensor)
+        # from a region's forward to its replay; on a GPU that tensor is host memory and does not
+        # count towards the device's peak.
+        self.rng_state_bytes = CPU_RNG_STATE_BYTES if p.meta.device == "cpu" else 0
         self.sbytes = list(p.storage_bytes)
         self.new = [list(nd.new_storages) for nd in nodes]
         self.producer: dict[int, int] = {}
@@ -209,6 +217,14 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
             last[s] = i
     for s in g.persist:
         last[s] = g.end
+    # A backward formula runs in C++: temporaries it creates live until the formula returns, so
+    # storages made by one autograd node's backward die no earlier than its last op.
+    for i in range(g.fwd_end + 1, g.n):
+        gf = g.grad_of[i]
+        if gf >= 0:
+            for s in g.new[i]:
+                if s in last and g.bw_end[gf] > last[s]:
+                    last[s] = g.bw_end[gf]
     for f in range(g.n):
         if f in region_of or f not in g.bw_end:
             continue
@@ -267,6 +283,15 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
                 for s in g.new[i]:
                     last[s] = max(last.get(s, -1), hold.get(s, r.trigger))
 
+    extra_alloc: dict[int, int] = {}
+    extra_free: dict[int, int] = {}
+    if g.rng_state_bytes:
+        for r in regs:
+            if any(g.random[i] for i in r.nodes):
+                a = r.nodes[0]
+                extra_alloc[a] = extra_alloc.get(a, 0) + g.rng_state_bytes
+                extra_free[r.bw_end] = extra_free.get(r.bw_end, 0) + g.rng_state_bytes
+
     # 3. Sweep the timeline.
     free_orig: dict[int, list[int]] = {}
     for s, t in last.items():
@@ -294,6 +319,7 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
                     mem -= sb[s]
         for s in g.new[i]:
             mem += sb[s]
+        mem += extra_alloc.get(i, 0)
         if mem + ws[i] > peak:
             peak, peak_at = mem + ws[i], names[i]
         if timeline:
@@ -302,6 +328,7 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
             mem -= sb[s]
         for s in free_held.get(i, ()):
             mem -= sb[s]
+        mem -= extra_free.get(i, 0)
         for s in g.new[i]:
             if s not in last and s not in replay_freed:  # nobody reads it: freed at once
                 mem -= sb[s]

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable
 
+from solvers.errors import SolverUnavailableError
 from solvers.profile import Profile
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
@@ -25,6 +26,8 @@ METHODS: dict[str, Method] = {}
 """Registered methods by name; `auto` is not one of them (it runs them all)."""
 
 BASELINES = ("none", "per_block", "sqrt_n", "chen_greedy", "every_k", "selective_matmul")
+AUTO_ILP_TIME_LIMIT_S = 10.0
+"""`auto` gives the ILP this long when no time limit is set (the ILP alone defaults to 60 s)."""
 _OPTIONAL = ("solvers.ilp",)  # registered on import when their dependencies are installed
 _loaded = False
 
@@ -127,7 +130,13 @@ def solve(
     min_peak = math.inf
     for name in METHODS:
         left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - t0))
-        s = solve(profile, budget_bytes, name, left)
+        if name == "ilp" and left is None:
+            left = AUTO_ILP_TIME_LIMIT_S
+        try:
+            s = solve(profile, budget_bytes, name, left)
+        except SolverUnavailableError:
+            tried[name] = "unavailable"
+            continue
         tried[name] = s.status
         min_peak = min(min_peak, s.predicted_peak_bytes, s.min_peak_bytes or math.inf)
         if _better(s, best):

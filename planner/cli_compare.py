@@ -1,0 +1,78 @@
+"""`ckpt-planner compare SPEC`: measure our plans against the baselines and torch.compile's budget.
+
+Writes ``table.md``, ``results.json`` and ``pareto.png`` into the output folder and prints the
+table and the targets' checks. Imports torch (inside `run`): this command runs the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["add_arguments", "run"]
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not vals or any(not 0 <= v <= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"fractions must lie in [0, 1], got {text!r}")
+    return vals
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "spec", metavar="SPEC",
+        help="module:function returning (model, example_inputs), e.g. tests.models:gpt_eager",
+    )
+    parser.add_argument("--fractions", type=_floats, default=(0.75, 0.5, 0.3),
+                        help="activation-budget fractions for our sweep (default 0.75,0.5,0.3)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="round-robin rounds over all strategies (default 3)")
+    parser.add_argument("--compile-budgets", type=_floats, default=(0.8, 0.5, 0.2, 0.0),
+                        help="torch.compile activation_memory_budget values")
+    parser.add_argument("--compile-backend", default="aot_eager",
+                        help="torch.compile backend (default aot_eager; inductor needs a compiler)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile entries")
+    parser.add_argument("--name", default=None, help="model name in the table and plot")
+    parser.add_argument("-o", "--output", default="compare_out", help="output folder")
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.cli import _load_spec, _SpecError
+
+    try:
+        model, example_inputs = _load_spec(args.spec)
+    except _SpecError as e:
+        print(f"ckpt-planner compare: {e}", file=sys.stderr)
+        return 2
+    from planner.compare import compare  # imports torch
+
+    model.train()
+    res = compare(
+        model, example_inputs,
+        fractions=args.fractions,
+        repeats=max(1, args.repeats),
+        compile_budgets=args.compile_budgets,
+        include_compile=not args.no_compile,
+        compile_backend=args.compile_backend,
+        progress=True,
+        name=args.name or args.spec.partition(":")[2] or None,
+    )
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(res.table() + "\n\n" + res.checks_text() + "\n")
+    res.to_json(out / "results.json")
+    try:
+        res.plot(out / "pareto.png")
+    except ImportError:
+        print("ckpt-planner compare: pareto.png needs matplotlib (pip install matplotlib)",
+              file=sys.stderr)
+    print(res.table())
+    print()
+    print(res.checks_text())
+    print(f"\nwrote {out / 'table.md'}, {out / 'results.json'}, {out / 'pareto.png'}")
+    return 0

@@ -1,0 +1,593 @@
+"""`compare(model, example_inputs)`: measure our plans against the alternatives, side by side.
+
+In one process, on one machine, with the strategies alternated round-robin:
+
+- ``none``: the original model;
+- every baseline in `solvers.solve.BASELINES` (``per_block``, ``sqrt_n``, ``chen_greedy``,
+  ``every_k``, ``selective_matmul``); the budget-dependent ones (``chen_greedy``, ``every_k``) are
+  solved at the 0.5 budget;
+- ``torch.compile(model, backend="aot_eager")`` with
+  ``torch._functorch.config.activation_memory_budget`` set to each of `compile_budgets`;
+- ours (``solve(method="auto")``): at the budget equal to each baseline's *measured* peak
+  (iso-memory) and over a sweep of activation-budget fractions.
+
+Budgets: with N the measured no-checkpoint peak and F the fixed bytes (parameters, buffers,
+inputs), the budget at fraction f is ``F + f * (N - F)``: f times the activation memory.
+
+    >>> res = compare(model, batch, progress=True)   # doctest: +SKIP
+    >>> print(res.table()); res.plot("pareto.png"); res.to_json("results.json")   # doctest: +SKIP
+    >>> for target, ok, detail in res.checks(): print(ok, target, detail)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from planner.api import InfeasibleBudgetError, _plan_from
+from planner.measure import measure
+from planner.profiler import profile_with_trace
+from planner.rewrite import PlannedModule, rewrite
+from solvers.profile import Profile
+from solvers.solve import BASELINES, smallest_peak, solve
+
+__all__ = ["CompareResult", "Row", "compare"]
+
+MiB = 2**20
+_BUDGET_DEPENDENT = ("chen_greedy", "every_k")
+_SDPA = ("scaled_dot_product",)
+
+
+@dataclass(kw_only=True)
+class Row:
+    """One strategy as measured."""
+
+    strategy: str
+    """``none``, a baseline name, ``compile(b)``, ``ours@f`` (sweep) or ``ours=<baseline>``."""
+    kind: str
+    """``none``, ``baseline``, ``compile``, ``ours_sweep`` or ``ours_iso``."""
+    budget_bytes: int | None = None
+    """The budget this strategy was solved or planned for (None: no budget in its definition)."""
+    fraction: float | None = None
+    """For ``ours_sweep``: the activation-budget fraction."""
+    method: str | None = None
+    """The solver that produced the schedule (ours: what ``auto`` picked)."""
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    step_ms: float | None = None
+    """Median of every timed step, over all rounds."""
+    step_ms_min: float | None = None
+    step_ms_max: float | None = None
+    samples_ms: list[float] = field(default_factory=list)
+    extra_pct: float | None = None
+    """Extra step time against ``none``, in percent (median against median)."""
+    fits: bool | None = None
+    """Measured peak within `budget_bytes` (None where there is no budget)."""
+    status: str = "ok"
+    """``ok``, ``does not fit (smallest peak ...)``, or ``error: ...``."""
+    regions: int | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.measured_peak_bytes is not None and self.step_ms is not None
+
+
+@dataclass(kw_only=True)
+class CompareResult:
+    """Every strategy measured in one run; `table`, `to_json`, `plot`, `checks`."""
+
+    model: str
+    rows: list[Row]
+    none_peak_bytes: int
+    fixed_bytes: int
+    fractions: tuple[float, ...]
+    budgets: dict[float, int]
+    eager_attention: bool
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- helpers ------------------------------------------------------------------------------
+    @property
+    def activation_bytes(self) -> int:
+        return self.none_peak_bytes - self.fixed_bytes
+
+    def row(self, strategy: str) -> Row | None:
+        return next((r for r in self.rows if r.strategy == strategy), None)
+
+    def activation_saving(self, r: Row) -> float | None:
+        """Fraction of the no-checkpoint activation memory this row saves (measured)."""
+        if r.measured_peak_bytes is None or self.activation_bytes <= 0:
+            return None
+        return 1.0 - (r.measured_peak_bytes - self.fixed_bytes) / self.activation_bytes
+
+    def _fits_fractions(self, r: Row) -> str:
+        if r.measured_peak_bytes is None:
+            return ""
+        ok = [f for f in self.fractions if r.measured_peak_bytes <= self.budgets[f]]
+        return ", ".join(f"{f:g}" for f in ok) or "-"
+
+    # -- outputs ------------------------------------------------------------------------------
+    def table(self) -> str:
+        """A Markdown table of every row."""
+        b = ", ".join(f"{f:g}x = {self.budgets[f] / MiB:.2f} MiB" for f in self.fractions)
+        head = (
+            f"**{self.model}**: no-checkpoint peak {self.none_peak_bytes / MiB:.2f} MiB, fixed "
+            f"(params, buffers, inputs) {self.fixed_bytes / MiB:.2f} MiB, activations "
+            f"{self.activation_bytes / MiB:.2f} MiB; budgets {b}\n\n"
+        )
+        cols = ["strategy", "budget MiB", "method", "predicted peak MiB", "measured peak MiB",
+                "activations saved", "step ms (median)", "spread ms", "extra time",
+                "fits its budget", "fits fractions", "status"]
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+        def mib(x):
+            return "" if x is None else f"{x / MiB:.2f}"
+
+        for r in self.rows:
+            sav = self.activation_saving(r)
+            cells = [
+                r.strategy,
+                mib(r.budget_bytes),
+                r.method or "",
+                mib(r.predicted_peak_bytes),
+                mib(r.measured_peak_bytes),
+                "" if sav is None else f"{100 * sav:.0f}%",
+                "" if r.step_ms is None else f"{r.step_ms:.1f}",
+                "" if r.step_ms_min is None else f"{r.step_ms_min:.1f}-{r.step_ms_max:.1f}",
+                "" if r.extra_pct is None else f"{r.extra_pct:+.1f}%",
+                "" if r.fits is None else ("yes" if r.fits else "**no**"),
+                self._fits_fractions(r),
+                r.status,
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        return head + "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "none_peak_bytes": self.none_peak_bytes,
+            "fixed_bytes": self.fixed_bytes,
+            "fractions": list(self.fractions),
+            "budgets": {str(f): b for f, b in self.budgets.items()},
+            "eager_attention": self.eager_attention,
+            "meta": self.meta,
+            "rows": [asdict(r) for r in self.rows],
+            "checks": [
+                {"target": t, "passed": ok, "detail": d} for t, ok, d in self.checks()
+            ],
+        }
+
+    def to_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    def plot(self, path: str | Path | None = None, *, ax=None):
+        """Pareto plot: measured peak (MiB) against step time relative to ``none``; every strategy
+        a labelled marker, ours a line through the sweep points. Returns the figure."""
+        import matplotlib
+
+        if path is not None and ax is None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        none = self.row("none")
+        base = none.step_ms if none is not None and none.step_ms else None
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(8, 5))
+        else:
+            fig = ax.figure
+        if base is None:
+            return fig
+        style = {"none": ("k", "o"), "baseline": ("tab:blue", "s"), "compile": ("tab:orange", "^"),
+                 "ours_iso": ("tab:green", "*")}
+        for r in self.rows:
+            if not r.measured or r.kind == "ours_sweep":
+                continue
+            c, mk = style[r.kind]
+            x, y = r.measured_peak_bytes / MiB, r.step_ms / base
+            err = [[y - r.step_ms_min / base], [r.step_ms_max / base - y]]
+            ax.errorbar([x], [y], yerr=err, fmt=mk, color=c, ms=9 if mk == "*" else 6,
+                        capsize=2, alpha=0.9)
+            ax.annotate(r.strategy, (x, y), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7, color=c)
+        sweep = sorted((r for r in self.rows if r.kind == "ours_sweep" and r.measured),
+                       key=lambda r: r.measured_peak_bytes)
+        if sweep:
+            xs = [r.measured_peak_bytes / MiB for r in sweep]
+            ys = [r.step_ms / base for r in sweep]
+            ax.plot(xs, ys, "-D", color="tab:green", label="ours (sweep of budgets)")
+            for r, x, y in zip(sweep, xs, ys):
+                ax.annotate(r.strategy, (x, y), textcoords="offset points", xytext=(4, -10),
+                            fontsize=7, color="tab:green")
+        for f in self.fractions:
+            ax.axvline(self.budgets[f] / MiB, color="grey", ls=":", lw=0.8)
+            ax.text(self.budgets[f] / MiB, ax.get_ylim()[1], f" {f:g}x", fontsize=7,
+                    color="grey", va="top")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        for kind, label in (("none", "none"), ("baseline", "checkpoint baselines"),
+                            ("compile", "torch.compile activation_memory_budget"),
+                            ("ours_iso", "ours at a baseline's measured peak")):
+            c, mk = style[kind]
+            ax.plot([], [], mk, color=c, label=label)
+        ax.set_xlabel("measured peak memory of a training step (MiB)")
+        ax.set_ylabel("step time relative to no checkpointing")
+        ax.set_title(f"{self.model}: memory/time (lower left is better)")
+        ax.legend(fontsize=7, loc="upper right")
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=120)
+            plt.close(fig)
+        return fig
+
+    # -- targets ------------------------------------------------------------------------------
+    def checks(self) -> list[tuple[str, bool, str]]:
+        """The issue's targets, evaluated on the measurements: (target, passed, detail)."""
+        out: list[tuple[str, bool, str]] = []
+        anchors = [r for r in self.rows if r.kind in ("baseline", "compile") and r.measured]
+        for f in self.fractions:
+            budget = self.budgets[f]
+            ours = next((r for r in self.rows if r.kind == "ours_sweep" and r.fraction == f), None)
+            fitting = [a for a in anchors if a.measured_peak_bytes <= budget]
+            ours_fits = ours is not None and ours.measured and ours.measured_peak_bytes <= budget
+            names = ", ".join(a.strategy for a in fitting) or "none"
+            if ours is None:
+                continue
+            ours_desc = (
+                f"ours {ours.measured_peak_bytes / MiB:.2f} MiB" if ours.measured
+                else f"ours: {ours.status}"
+            )
+            out.append((
+                f"{f:g}x: our plan fits wherever any strategy fits",
+                ours_fits or not fitting,
+                f"budget {budget / MiB:.2f} MiB; {ours_desc}; anchors that fit: {names}",
+            ))
+            if not fitting:
+                continue
+            best = min(fitting, key=lambda a: a.extra_pct)
+            if not ours_fits:
+                out.append((f"{f:g}x: extra time vs fastest fitting anchor", False,
+                            f"fastest fitting anchor {best.strategy} {best.extra_pct:+.1f}%; "
+                            "our plan does not fit"))
+                continue
+            limit = best.extra_pct / 2 if best.extra_pct >= 10 else best.extra_pct
+            rule = "half of" if best.extra_pct >= 10 else "at most"
+            out.append((
+                f"{f:g}x: extra time {rule} the fastest fitting anchor",
+                ours.extra_pct <= limit,
+                f"ours {ours.extra_pct:+.1f}% (spread {ours.step_ms_min:.0f}-"
+                f"{ours.step_ms_max:.0f} ms) vs {best.strategy} {best.extra_pct:+.1f}% "
+                f"(limit {limit:+.1f}%)",
+            ))
+        if self.eager_attention:
+            ours = [r for r in self.rows if r.kind.startswith("ours") and r.measured]
+            good = [r for r in ours if (self.activation_saving(r) or 0) >= 0.65]
+            if good:
+                best = min(good, key=lambda r: r.extra_pct)
+                ok = best.extra_pct <= 5.0
+                detail = (f"{best.strategy}: {100 * self.activation_saving(best):.0f}% less "
+                          f"activation memory at {best.extra_pct:+.1f}% step time")
+            else:
+                ok = False
+                top = max(ours, key=lambda r: self.activation_saving(r) or 0, default=None)
+                detail = ("no plan of ours saved 65%" + (
+                    f"; the most: {top.strategy} {100 * self.activation_saving(top):.0f}%"
+                    if top else ""))
+            out.append(("eager-attention transformer: >=65% less activation memory at <=5% "
+                        "extra step time", ok, detail))
+        return out
+
+    def checks_text(self) -> str:
+        return "\n".join(f"[{'PASS' if ok else 'FAIL'}] {t}: {d}" for t, ok, d in self.checks())
+
+
+# -- running ------------------------------------------------------------------------------------
+class _Say:
+    def __init__(self, on: bool):
+        self.on = on
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.on:
+            print(f"[compare {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr,
+                  flush=True)
+
+
+def _eager_attention(profile: Profile) -> bool:
+    """A transformer with eager attention: softmax and batched matmuls in forward, no SDPA."""
+    ops = {n.op for n in profile.nodes if n.phase == "forward"}
+    has = lambda s: any(s in o for o in ops)  # noqa: E731
+    return has("softmax") and (has("bmm") or has("matmul")) and not any(has(s) for s in _SDPA)
+
+
+def _caches_off() -> None:
+    try:
+        import torch._inductor.config as ic
+
+        if hasattr(ic, "fx_graph_cache"):
+            ic.fx_graph_cache = False
+    except Exception:  # noqa: BLE001 - inductor missing is fine for aot_eager
+        pass
+    import torch._functorch.config as fc
+
+    if hasattr(fc, "enable_autograd_cache"):
+        fc.enable_autograd_cache = False
+
+
+def _compile_backend(budget: float, backend: str):
+    """A backend that compiles with `activation_memory_budget` = budget. A distinct backend object
+    per budget also makes dynamo keep one cache entry per budget (its guards check the backend)."""
+    import torch._functorch.config as fc
+    from torch._dynamo import lookup_backend
+
+    inner = lookup_backend(backend)
+
+    def ckpt_planner_compile_backend(gm, example_inputs):
+        with fc.patch(activation_memory_budget=budget):
+            return inner(gm, example_inputs)
+
+    return ckpt_planner_compile_backend
+
+
+class _Entry:
+    def __init__(self, row: Row, module: torch.nn.Module | None, budget: float | None = None):
+        self.row = row
+        self.module = module
+        self.compile_budget = budget
+        self.peaks: list[int] = []
+        self.samples: list[float] = []
+        self.alias: _Entry | None = None  # same schedule as another entry: share its measurement
+
+
+def _measure_entry(e: _Entry, example_inputs, loss_fn, inner: int) -> None:
+    import torch._functorch.config as fc
+
+    if e.compile_budget is not None:
+        with fc.patch(activation_memory_budget=e.compile_budget):
+            m = measure(e.module, example_inputs, loss_fn, repeats=inner)
+    else:
+        m = measure(e.module, example_inputs, loss_fn, repeats=inner)
+    e.peaks.append(m.peak_bytes)
+    e.samples.extend(m.step_ms_all)
+
+
+def _schedule_key(s) -> tuple:
+    return tuple((r.start, r.end, tuple(sorted(r.saved))) for r in s.regions)
+
+
+def compare(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    fractions: Sequence[float] = (0.75, 0.5, 0.3),
+    repeats: int = 3,
+    compile_budgets: Sequence[float] = (0.8, 0.5, 0.2, 0.0),
+    include_compile: bool = True,
+    compile_backend: str = "aot_eager",
+    eager_attention: bool | None = None,
+    iso: bool = True,
+    inner_repeats: int = 2,
+    time_limit_s: float | None = 30.0,
+    profile_repeats: int = 2,
+    progress: bool = False,
+    name: str | None = None,
+) -> CompareResult:
+    """Measure no checkpointing, the baselines, torch.compile's activation budget and our plans.
+
+    Args:
+        model: an eager model in training mode (not modified: measuring restores its state).
+        example_inputs: a tensor, a tuple of positional args or a dict of kwargs.
+        fractions: activation-budget fractions for our sweep: budget = F + f * (N - F).
+        repeats: round-robin rounds; every round measures every strategy once
+            (`inner_repeats` timed steps each, after one warm-up step).
+        compile_budgets: values of ``torch._functorch.config.activation_memory_budget``.
+        include_compile: measure the torch.compile entries at all.
+        compile_backend: ``aot_eager`` (default) or ``inductor`` where a compiler is available.
+        eager_attention: evaluate the eager-attention target; None detects it from the graph
+            (softmax and batched matmuls, no SDPA).
+        iso: also plan ours at each baseline's measured peak (iso-memory).
+        time_limit_s: per solve of ours (``auto`` runs every solver, the ILP included).
+        progress: print progress lines to stderr.
+    """
+    say = _Say(progress)
+    name = name or type(model).__name__
+    fractions = tuple(fractions)
+    t_start = time.perf_counter()
+    say(f"{name}: profiling")
+    pt = profile_with_trace(model, example_inputs, loss_fn=loss_fn, repeats=profile_repeats)
+    prof = pt.profile
+    eager = _eager_attention(prof) if eager_attention is None else eager_attention
+
+    entries: list[_Entry] = []
+
+    def add(row: Row, module, budget: float | None = None) -> _Entry:
+        e = _Entry(row, module, budget)
+        entries.append(e)
+        return e
+
+    # none first: its measured peak sets the budgets
+    none = add(Row(strategy="none", kind="none", method="none", regions=0), model)
+    say("measuring none (sets the budgets)")
+    _measure_entry(none, example_inputs, loss_fn, inner_repeats)
+    N = none.peaks[0]
+    F = prof.fixed_bytes
+    none.row.predicted_peak_bytes = solve(prof, 2**62, "none").predicted_peak_bytes
+    budgets = {f: int(F + f * (N - F)) for f in fractions}
+    plan_fractions = list(fractions)
+    if eager and 0.35 not in plan_fractions:
+        plan_fractions.append(0.35)  # the ">= 65% less activation memory" point
+        budgets[0.35] = int(F + 0.35 * (N - F))
+    mid = budgets.get(0.5, int(F + 0.5 * (N - F)))
+    say(f"N = {N / MiB:.2f} MiB, F = {F / MiB:.2f} MiB; budgets "
+        + ", ".join(f"{f:g}x {b / MiB:.2f} MiB" for f, b in budgets.items()))
+
+    # baselines
+    built: dict[tuple, _Entry] = {}
+    for m in BASELINES:
+        if m == "none":
+            continue
+        budget = mid if m in _BUDGET_DEPENDENT else None
+        s = solve(prof, budget if budget is not None else 2**62, m)
+        row = Row(strategy=m, kind="baseline", budget_bytes=budget, method=m,
+                  predicted_peak_bytes=s.predicted_peak_bytes, regions=len(s.regions))
+        try:
+            mod = PlannedModule(model, pt.trace, rewrite(pt.trace, s))
+        except Exception as ex:  # noqa: BLE001 - record, do not crash
+            row.status = f"error: {type(ex).__name__}: {ex}"[:200]
+            add(row, None)
+            continue
+        e = add(row, mod)
+        built.setdefault(_schedule_key(s), e)
+
+    # torch.compile with activation_memory_budget
+    if include_compile:
+        _caches_off()
+        import torch._functorch.config as fc
+
+        if not hasattr(fc, "activation_memory_budget"):
+            say("this torch has no activation_memory_budget: compile entries skipped")
+        else:
+            torch._dynamo.reset()
+            for b in compile_budgets:
+                row = Row(strategy=f"compile({b:g})", kind="compile", method=compile_backend)
+                try:
+                    torch._dynamo.reset()  # no reuse of another budget's graphs
+                    cm = torch.compile(model, backend=_compile_backend(b, compile_backend))
+                except Exception as ex:  # noqa: BLE001
+                    row.status = f"error: {type(ex).__name__}: {ex}"[:200]
+                    add(row, None)
+                    continue
+                add(row, cm, b)
+
+    # round 1 of the anchors: compiles, and gives the measured peaks the iso plans need
+    for e in entries[1:]:
+        if e.module is None:
+            continue
+        say(f"round 1/{repeats}: {e.row.strategy}")
+        try:
+            _measure_entry(e, example_inputs, loss_fn, inner_repeats)
+        except Exception as ex:  # noqa: BLE001
+            e.row.status = f"error: {type(ex).__name__}: {ex}"[:200]
+            e.module = None
+
+    # ours: iso-memory and sweep
+    by_budget: dict[int, _Entry] = {}
+
+    def plan_at(row: Row, budget: int) -> None:
+        prev = by_budget.get(budget)
+        if prev is not None:  # same budget as an earlier plan of ours: same schedule
+            row.method, row.regions = prev.row.method, prev.row.regions
+            row.predicted_peak_bytes, row.status, row.fits = (
+                prev.row.predicted_peak_bytes, prev.row.status, prev.row.fits)
+            e = add(row, None)
+            e.alias = (prev.alias or prev) if prev.row.status == "ok" else None
+            return
+        try:
+            p = _plan_from(model, pt, budget, example_inputs, loss_fn, None, "auto",
+                           time_limit_s)
+        except InfeasibleBudgetError:
+            s = solve(prof, budget, "auto", time_limit_s)
+            least = s.min_peak_bytes or smallest_peak(prof)
+            row.status = f"does not fit (smallest peak {least / MiB:.2f} MiB)"
+            row.predicted_peak_bytes = least
+            row.fits = False
+            by_budget[budget] = add(row, None)
+            return
+        except Exception as ex:  # noqa: BLE001
+            row.status = f"error: {type(ex).__name__}: {ex}"[:200]
+            add(row, None)
+            return
+        s = p.schedule
+        row.method = s.method
+        row.predicted_peak_bytes = s.predicted_peak_bytes
+        row.regions = len(s.regions)
+        e = add(row, p.module)
+        by_budget[budget] = e
+        key = _schedule_key(s)
+        if key in built:
+            e.alias = built[key]
+            e.module = None
+        else:
+            built[key] = e
+
+    for e in list(entries):
+        if iso and e.row.kind == "baseline" and e.peaks:
+            say(f"planning ours at {e.row.strategy}'s measured peak")
+            plan_at(Row(strategy=f"ours={e.row.strategy}", kind="ours_iso",
+                        budget_bytes=e.peaks[0]), e.peaks[0])
+    for f in plan_fractions:
+        say(f"planning ours at {f:g}x")
+        plan_at(Row(strategy=f"ours@{f:g}", kind="ours_sweep", budget_bytes=budgets[f],
+                    fraction=f), budgets[f])
+    for e in entries:
+        if e.row.kind.startswith("ours") and e.module is not None:
+            say(f"round 1/{repeats}: {e.row.strategy}")
+            _measure_entry(e, example_inputs, loss_fn, inner_repeats)
+
+    # rounds 2..repeats: every strategy once per round, in turn
+    for k in range(2, repeats + 1):
+        for e in entries:
+            if e.module is None:
+                continue
+            say(f"round {k}/{repeats}: {e.row.strategy}")
+            try:
+                _measure_entry(e, example_inputs, loss_fn, inner_repeats)
+            except Exception as ex:  # noqa: BLE001
+                e.row.status = f"error in round {k}: {type(ex).__name__}: {ex}"[:200]
+
+    if include_compile:
+        torch._dynamo.reset()
+
+    # rows
+    base = statistics.median(none.samples)
+    for e in entries:
+        src = e.alias or e
+        r = e.row
+        if not src.samples:
+            continue
+        r.measured_peak_bytes = max(src.peaks)
+        r.samples_ms = list(src.samples)
+        r.step_ms = statistics.median(src.samples)
+        r.step_ms_min, r.step_ms_max = min(src.samples), max(src.samples)
+        r.extra_pct = 100 * (r.step_ms / base - 1)
+        if r.budget_bytes is not None:
+            r.fits = r.measured_peak_bytes <= r.budget_bytes
+        if e.alias is not None:
+            r.status = f"ok (same schedule as {e.alias.row.strategy})"
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "inner_repeats": inner_repeats,
+        "compile_backend": compile_backend if include_compile else None,
+        "profile_step_ms": prof.step_ms,
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    say(f"done in {meta['seconds']} s")
+    return CompareResult(
+        model=name, rows=[e.row for e in entries], none_peak_bytes=N, fixed_bytes=F,
+        fractions=fractions, budgets=budgets, eager_attention=eager, meta=meta,
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
