@@ -247,6 +247,70 @@ def _workspace_cpu(runner: _Runner) -> dict[str, int]:
     return out
 
 
+def _calibrate_checkpoint(device: torch.device, sync: Callable[[], None],
+                          n: int = 32, reps: int = 30) -> tuple[float, float, float]:
+    """(ms per region, ms per saved tensor, ms per selective-region op) that non-reentrant
+    checkpoint adds on this device.
+
+    A chain of `n` tiny ops that each save their input is run plain, as one checkpointed region,
+    and as 8 regions, alternating, `reps` times (medians). With r the chain's forward time:
+    8 regions - 1 region = 7 per-region costs; 1 region - plain - per-region - r = n saved-tensor
+    costs (pack in forward, pack again in the replay, unpack); a selective region that recomputes
+    everything minus the plain region = n per-op costs of the selective dispatch mode."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    x = torch.randn(64, device=device, requires_grad=True)
+
+    def chain(t, k):
+        for _ in range(k):
+            t = torch.sin(t)
+        return t
+
+    def ckpt(t, k):
+        return checkpoint(chain, t, k, use_reentrant=False, preserve_rng_state=False)
+
+    def recompute_all(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def sac():
+        checkpoint(
+            chain, x, n, use_reentrant=False, preserve_rng_state=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(recompute_all),
+        ).sum().backward()
+
+    def eight():
+        y = x
+        for _ in range(8):
+            y = ckpt(y, n // 8)
+        y.sum().backward()
+
+    fns = {
+        "plain": lambda: chain(x, n).sum().backward(),
+        "fwd": lambda: chain(x, n),
+        "one": lambda: ckpt(x, n).sum().backward(),
+        "eight": eight,
+        "sac": sac,
+    }
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(reps + 3):
+        for k, f in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            f()
+            sync()
+            if r >= 3:
+                times[k].append((time.perf_counter() - t0) * 1e3)
+    m = {k: statistics.median(v) for k, v in times.items()}
+    per_region = max(0.0, (m["eight"] - m["one"]) / 7)
+    per_tensor = max(0.0, (m["one"] - m["plain"] - per_region - m["fwd"]) / n)
+    per_op = max(0.0, (m["sac"] - m["one"]) / n)
+    return round(per_region, 5), round(per_tensor, 6), round(per_op, 6)
+
+
 def _is_view(target: Any) -> bool:
     """getitem and ops whose output aliases an input without writing it (view, t, expand...)."""
     if target is _getitem():
@@ -395,6 +459,8 @@ def profile_with_trace(
             runs = runs[1:]
             times = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             step_ms = _time_eager_step(model, example_inputs, loss_fn, repeats, sync)
+            say("calibrating checkpoint's per-region and per-saved-tensor cost")
+            info["ckpt_cost"] = _calibrate_checkpoint(dev, sync)
             if spec is None:
                 spec = cpu_spec(measure=False) if dev.type == "cpu" else None
 
@@ -606,6 +672,9 @@ def _build_profile(
         input_shapes=shapes,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         step_ms_measured=None if step_ms is None else round(step_ms, 3),
+        checkpoint_region_ms=info.get("ckpt_cost", (0.0, 0.0, 0.0))[0],
+        checkpoint_saved_tensor_ms=info.get("ckpt_cost", (0.0, 0.0, 0.0))[1],
+        checkpoint_selective_op_ms=info.get("ckpt_cost", (0.0, 0.0, 0.0))[2],
     )
     return Profile(
         nodes=tuple(records),

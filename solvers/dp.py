@@ -168,9 +168,14 @@ def chain_model(profile: Profile) -> ChainModel:
     e_ = stop[ends][None, :]
     replays = e_ >= a_
     e_safe = np.maximum(e_, a_ - 1)
+    # checkpoint's host cost of a replayed region (as `simulate` adds it): per region, plus per
+    # tensor its ops save
+    nsv = np.concatenate([[0.0], np.cumsum([len(g.saves[i]) for i in fwd])])
+    host = g.region_ms + g.saved_tensor_ms * (nsv[b_ + 1] - nsv[a_])
     time = np.zeros((k1, k1, 3))
-    time[:, :, CKPT] = np.where(replays, tcum[e_safe + 1] - tcum[a_], 0.0)
-    time[:, :, SEL] = np.where(replays, tnm[e_safe + 1] - tnm[a_], 0.0)
+    time[:, :, CKPT] = np.where(replays, tcum[e_safe + 1] - tcum[a_] + host, 0.0)
+    sel_host = g.selective_op_ms * (b_ + 1 - a_)  # selective regions: a dispatch mode per op
+    time[:, :, SEL] = np.where(replays, tnm[e_safe + 1] - tnm[a_] + host + sel_host, 0.0)
     keep = q1cum[b_ + 1] - q1cum[a_]
     ck = inp2 + out2
     add = np.zeros((k1, k1, 3))

@@ -90,6 +90,14 @@ class ProfileMeta:
     created: str = ""
     step_ms_measured: float | None = None
     """Median measured time of one eager training step of the original model, when measured."""
+    checkpoint_region_ms: float = 0.0
+    """Host time non-reentrant checkpoint adds per region (frame, hooks, early stop), calibrated on
+    the device in measure mode; 0 in estimate mode (on a GPU it overlaps with kernels)."""
+    checkpoint_saved_tensor_ms: float = 0.0
+    """Host time per tensor a region saves (pack and unpack hooks, twice), calibrated likewise."""
+    checkpoint_selective_op_ms: float = 0.0
+    """Host time per op of a selective region (its dispatch mode sees every op in forward and in
+    the replay), calibrated likewise."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,7 +42,8 @@ class Simulation:
     peak_bytes: int
     """Peak memory of the step, fixed memory included."""
     recompute_ms: float
-    """Time spent replaying regions."""
+    """Extra time of the step: ops replayed, plus checkpoint's per-region and per-saved-tensor host
+    cost when the profile carries a calibration."""
     peak_at: str
     """Label of the step where the peak occurs (a node name, or replay:<node>)."""
     timeline: list[tuple[str, int]] = field(repr=False, default_factory=list)
@@ -66,6 +67,9 @@ class GraphIndex:
         # from a region's forward to its replay; on a GPU that tensor is host memory and does not
         # count towards the device's peak.
         self.rng_state_bytes = CPU_RNG_STATE_BYTES if p.meta.device == "cpu" else 0
+        self.region_ms = p.meta.checkpoint_region_ms
+        self.saved_tensor_ms = p.meta.checkpoint_saved_tensor_ms
+        self.selective_op_ms = p.meta.checkpoint_selective_op_ms
         self.sbytes = list(p.storage_bytes)
         self.new = [list(nd.new_storages) for nd in nodes]
         self.producer: dict[int, int] = {}
@@ -240,6 +244,10 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
     recompute_ms = 0.0
     for k, r in enumerate(regs):
         replay_at.setdefault(r.trigger, []).append(k)
+        # checkpoint's own host cost: per region, and per tensor it packs (ProfileMeta)
+        recompute_ms += g.region_ms + g.saved_tensor_ms * sum(len(g.saves[i]) for i in r.nodes)
+        if r.saved:
+            recompute_ms += g.selective_op_ms * len(r.nodes)
         for i in r.nodes:
             for s in g.reads[i]:
                 if s not in r.produced and r.bw_end > last.get(s, -1):
