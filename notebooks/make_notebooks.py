@@ -105,7 +105,7 @@ def compare_nb() -> nbformat.NotebookNode:
     cells = [
         new_markdown_cell(
             "# Compare: our plans against the baselines and torch.compile's budget\n\n"
-            "`planner.compare.compare` measures, in one process with the strategies alternated: "
+            "`planner.compare` measures, in one process with the strategies alternated: "
             "no checkpointing, per-block, uniform sqrt(N) segments, Chen's greedy, every-k, "
             "torchtitan-style selective checkpointing (save matmul outputs), "
             "`torch.compile(backend='aot_eager')` with `activation_memory_budget` in "
@@ -121,7 +121,7 @@ import time
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from planner.compare import compare
+from planner.comparison import compare
 from tests import models
 
 if SMALL:

@@ -16,6 +16,7 @@ __all__ = [
     "PlanNotEffectiveError",
     "TraceError",
     "apply",
+    "compare",
     "measure",
     "plan",
     "profile",
@@ -29,6 +30,7 @@ _LAZY = {
     "InfeasibleBudgetError": "planner.api",
     "PlanNotEffectiveError": "planner.api",
     "measure": "planner.measure",
+    "compare": "planner.comparison",
     "Measurement": "planner.measure",
     "TraceError": "planner.trace",
 }

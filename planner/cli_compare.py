@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     except _SpecError as e:
         print(f"ckpt-planner compare: {e}", file=sys.stderr)
         return 2
-    from planner.compare import compare  # imports torch
+    from planner.comparison import compare  # imports torch
 
     model.train()
     res = compare(
