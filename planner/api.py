@@ -236,13 +236,9 @@ def _budget(budget_gb: float | None, budget_bytes: int | None) -> int:
 
 def _infeasible(profile: Profile, budget: int, schedule: Schedule) -> InfeasibleBudgetError:
     least = schedule.min_peak_bytes or smallest_peak(profile)
-    by_module: dict[str, int] = {}
-    producer = {s: n for n in profile.nodes for s in n.new_storages}
-    for s in profile.saved_storages:
-        mod = ".".join(producer[s].module.split(".")[:3]) or "(loss)"
-        by_module[mod] = by_module.get(mod, 0) + profile.storage_bytes[s]
+    by_module = profile.saved_bytes_by_module()
     top = sorted(by_module.items(), key=lambda kv: -kv[1])[:3]
-    tops = ", ".join(f"{m} {_gib(b)}" for m, b in top)
+    tops = ", ".join(f"{m or '(top level)'} {_gib(b)}" for m, b in top)
     return InfeasibleBudgetError(
         f"budget {_gib(budget)} is below the smallest achievable peak for this model and batch"
         f" ({_gib(least)}, of which {_gib(profile.fixed_bytes)} is parameters, buffers, inputs and "

@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -89,25 +88,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 # -- show -----------------------------------------------------------------------------------------
-def _module_prefix(path: str, depth: int = 3) -> str:
-    return ".".join(path.split(".")[:depth]) if path else "(top level)"
-
-
-def saved_bytes_by_module(profile: Any, depth: int = 3) -> dict[str, int]:
-    """Saved-activation bytes attributed to the module whose op allocated each storage.
-
-    Module paths are truncated to their first `depth` dotted components (``transformer.h.3``).
-    """
-    allocator: dict[int, str] = {}
-    for n in profile.nodes:
-        for s in n.new_storages:
-            allocator[s] = n.module
-    totals: dict[str, int] = defaultdict(int)
-    for s in profile.saved_storages:
-        totals[_module_prefix(allocator.get(s, ""), depth)] += profile.storage_bytes[s]
-    return dict(totals)
-
-
 def _cmd_show(args: argparse.Namespace) -> int:
     from solvers import Profile, ProfileError
 
@@ -138,7 +118,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
         f"saved activations: {fmt_bytes(p.saved_bytes)}",
         f"step time:      {p.step_ms:.3f} ms (sum of op times)",
     ]
-    by_module = sorted(saved_bytes_by_module(p).items(), key=lambda kv: (-kv[1], kv[0]))
+    by_module = sorted(
+        ((m or "(top level)", b) for m, b in p.saved_bytes_by_module().items()),
+        key=lambda kv: (-kv[1], kv[0]),
+    )
     if by_module:
         lines.append(f"top {min(args.top, len(by_module))} modules by saved bytes:")
         width = max(len(k) for k, _ in by_module[: args.top])

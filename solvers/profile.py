@@ -174,6 +174,16 @@ class Profile:
         """Bytes autograd keeps for backward after a forward pass with no checkpointing."""
         return sum(self.storage_bytes[s] for s in self.saved_storages)
 
+    def saved_bytes_by_module(self, depth: int = 3) -> dict[str, int]:
+        """Saved-activation bytes by the module whose op allocated each storage, module paths cut
+        to their first `depth` components (``transformer.h.3``); "" is the top level."""
+        allocator = {s: n.module for n in self.nodes for s in n.new_storages}
+        totals: dict[str, int] = {}
+        for s in self.saved_storages:
+            mod = ".".join(allocator.get(s, "").split(".")[:depth])
+            totals[mod] = totals.get(mod, 0) + self.storage_bytes[s]
+        return totals
+
     @property
     def step_ms(self) -> float:
         """Sum of all op times: forward, loss and backward."""

@@ -72,16 +72,12 @@ class GraphIndex:
         self.selective_op_ms = p.meta.checkpoint_selective_op_ms
         self.sbytes = list(p.storage_bytes)
         self.new = [list(nd.new_storages) for nd in nodes]
-        self.producer: dict[int, int] = {}
-        for i, nd in enumerate(nodes):
-            for s in nd.new_storages:
-                self.producer[s] = i
         self.fixed_storages = {
             s for i, nd in enumerate(nodes) if nd.phase in FIXED_PHASES for s in nd.new_storages
         }
         out_storage = [nd.storage for nd in nodes]
         # Storages each node reads: a tuple-valued input (multi-output op) holds all its outputs.
-        self.reads: list[list[int]] = []
+        all_reads: list[set[int]] = []
         for nd in nodes:
             r: set[int] = set()
             for name in nd.inputs:
@@ -90,7 +86,8 @@ class GraphIndex:
                     r.add(out_storage[j])
                 else:
                     r.update(self.new[j])
-            self.reads.append(sorted(r - self.fixed_storages))
+            all_reads.append(r)
+        self.reads = [sorted(r - self.fixed_storages) for r in all_reads]
         self.saves = [sorted(set(nd.saves)) for nd in nodes]
         self.grad_of = [
             self.name_to_i[nd.grad_of] if nd.grad_of is not None else -1 for nd in nodes
@@ -106,15 +103,13 @@ class GraphIndex:
             g = self.grad_of[i]
             if g >= 0:
                 self.bw_end[g] = i
-                if g not in self.bw_first_read and self.saves[g] and any(
-                    s in self.saves[g] for s in self._all_reads(nodes, i)
-                ):
+                if g not in self.bw_first_read and not all_reads[i].isdisjoint(self.saves[g]):
                     self.bw_first_read[g] = i
         for g in list(self.bw_end):
             if self.saves[g] and g not in self.bw_first_read:
                 self.bw_first_read[g] = self.bw_end[g]
         # Fixed end-of-step holders: the loss and parameter gradients.
-        end = self.n
+        self.end = self.n
         self.persist = set()
         for name in (p.loss, *p.grads):
             if name:
@@ -122,21 +117,9 @@ class GraphIndex:
                 if out_storage[j] is not None:
                     self.persist.add(out_storage[j])
                 self.persist.update(self.new[j])
-        self.end = end
         self.fixed_bytes = p.fixed_bytes
         self.has_optimizer = bool(p.optimizer_state_bytes or p.optimizer_step_bytes)
         self.optimizer_step_bytes = p.optimizer_step_bytes
-
-    def _all_reads(self, nodes, i: int) -> set[int]:
-        r: set[int] = set()
-        for name in nodes[i].inputs:
-            j = self.name_to_i[name]
-            st = nodes[j].storage
-            if st is not None:
-                r.add(st)
-            else:
-                r.update(self.new[j])
-        return r
 
 
 def graph_index(p: Profile) -> GraphIndex:
