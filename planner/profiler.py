@@ -33,7 +33,13 @@ from torch.utils.flop_counter import (
 )
 
 from planner.devices import DeviceSpec, cpu_spec, get_device, roofline_ms
-from planner.trace import JointTrace, preserved_rng, split_inputs, trace_joint
+from planner.trace import (
+    JointTrace,
+    preserved_rng,
+    split_inputs,
+    trace_joint,
+    written_positions,
+)
 from solvers.errors import CkptPlannerError
 from solvers.profile import Node, Profile, ProfileMeta
 
@@ -85,18 +91,6 @@ def _op_name(target: Any) -> str:
 
 def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
-
-
-def _written_args(target: Any) -> list[int]:
-    """Positions of arguments an op mutates (schema alias annotation with a write)."""
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return []
-    return [
-        i
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
 
 
 class _Runner:
@@ -627,7 +621,7 @@ def _build_profile(
         target = n.target
         base = getattr(getattr(target, "overloadpacket", None), "__name__", "")
         mutates = False
-        for pos in _written_args(target):
+        for pos in written_positions(target):
             if pos < len(n.args) and isinstance(n.args[pos], fx.Node):
                 if sid(n.args[pos]) in buffer_storages:
                     mutates = True

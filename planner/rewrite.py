@@ -31,6 +31,7 @@ from torch.utils.checkpoint import (
 )
 
 from planner.trace import JointTrace
+from planner.trace import written_positions as _written_positions
 from solvers.errors import ScheduleError
 from solvers.schedule import Region, Schedule
 
@@ -71,23 +72,6 @@ class _BufferSafe:
                     if i < len(args) and isinstance(args[i], torch.Tensor):
                         args[i] = args[i].clone()
         return self.target(*args, **kwargs)
-
-
-_UNANNOTATED_BN = {"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"}
-
-
-def _written_positions(target: Any) -> list[int]:
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return []
-    if schema.name in _UNANNOTATED_BN:
-        # these update running_mean/running_var (args 3, 4) in place, but their schemas do not say so
-        return [3, 4]
-    return [
-        i
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
 
 
 class CheckpointRegion(torch.nn.Module):

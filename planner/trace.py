@@ -27,7 +27,14 @@ from torch.utils import _pytree as pytree
 
 from solvers.errors import CkptPlannerError
 
-__all__ = ["TraceError", "JointTrace", "trace_joint", "default_loss", "split_inputs"]
+__all__ = [
+    "TraceError",
+    "JointTrace",
+    "trace_joint",
+    "default_loss",
+    "split_inputs",
+    "written_positions",
+]
 
 
 class TraceError(CkptPlannerError, RuntimeError):
@@ -296,3 +303,21 @@ def preserved_rng():
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         yield
+
+
+_UNANNOTATED_BN = {"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"}
+
+
+def written_positions(target: Any) -> list[int]:
+    """Positions of the arguments an aten op mutates in place."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return []
+    if schema.name in _UNANNOTATED_BN:
+        # these update running_mean/running_var (args 3, 4) in place, but their schemas do not say so
+        return [3, 4]
+    return [
+        i
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
