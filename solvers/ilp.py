@@ -45,8 +45,11 @@ installed, else CBC (`pulp.PULP_CBC_CMD(warmStart=True)`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -61,6 +64,26 @@ from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
 from solvers.simulate import graph_index, simulate
 from solvers.solve import register
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS prints its banner from C to file descriptor 1 even with output off; keep it out of
+    the user's table (`msg=False` silences everything else)."""
+    try:
+        sys.stdout.flush()
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no real descriptor (e.g. a notebook)
+        yield
+        return
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
 
 __all__ = ["DEFAULT_TIME_LIMIT_S", "MAX_POINTS", "MAX_ROUNDS", "MIP_REL_GAP", "ilp"]
 
@@ -365,7 +388,8 @@ def _run(chain: _Chain, budget: float, warms: list, time_left: float, backend: s
         solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, math.ceil(tl)), gapRel=MIP_REL_GAP,
                                    warmStart=warm_ok)
     t0 = time.perf_counter()
-    milp.prob.solve(solver)
+    with _quiet_stdout():
+        milp.prob.solve(solver)
     solve_s = time.perf_counter() - t0
     res = {
         "solve_time_s": solve_s, "build_time_s": t0 - t_build, "n_vars": len(milp.prob.variables()),
