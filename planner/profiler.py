@@ -555,8 +555,10 @@ def _optimizer_bytes(optimizer, params, mode) -> tuple[int, int]:
             f"optimizer {name} is not modelled; supported: Adam, AdamW, NAdam, RAdam, Adamax, "
             "SGD, Adagrad, RMSprop (or pass optimizer=None and add its state to the budget)"
         )
-    # The foreach implementations allocate temporaries for a whole parameter group at once; we
-    # take the largest group's parameter bytes as the transient (measured in planner.measure).
+    # The foreach implementations allocate temporaries for a whole parameter group at once (Adam:
+    # the denominator sqrt(exp_avg_sq) + eps, one tensor per parameter); we take the largest
+    # group's parameter bytes as the transient. An estimate: on the test models the step's peak
+    # lies in backward, where it is exact (tests/test_plan.py).
     step = max(
         (sum(p.numel() * p.element_size() for p in g["params"] if p.requires_grad)
          for g in optimizer.param_groups),

@@ -336,3 +336,24 @@ def test_report_has_a_row_per_baseline(zoo):
     for b in BASELINES:
         assert sum(line.split()[0] == b for line in lines if line.split()) == 1, (b, rep)
     assert any(line.startswith("plan: dp") for line in lines), rep
+
+
+def test_budget_includes_adam_state_and_step():
+    """With an optimizer the budget covers its state and its step: measured over a steady-state
+    step (state already allocated), the planned step stays within the budget and the prediction
+    matches the measurement."""
+    from planner.measure import measure
+    from planner.trace import default_loss
+
+    model, x = build("ln_linear_stack")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    default_loss(model(x)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    unplanned = measure(model, x, optimizer=opt, repeats=1, restore=False)
+    p = planner.plan(model, budget_bytes=int(0.8 * unplanned.peak_bytes), example_inputs=x,
+                     optimizer=opt, method="dp", repeats=1)
+    assert p.profile.optimizer_state_bytes == 2 * p.profile.grad_bytes  # Adam: exp_avg, exp_avg_sq
+    planned = measure(p.module, x, optimizer=opt, repeats=1, restore=False)
+    assert planned.peak_bytes <= p.budget_bytes
+    assert abs(p.predicted_peak_bytes - planned.peak_bytes) <= 0.05 * planned.peak_bytes
