@@ -674,7 +674,11 @@ def _build_profile(
     )
     return Profile(
         nodes=tuple(records),
-        storage_bytes=tuple(info["storage_bytes"]),
+        storage_bytes=tuple(
+            _gpu_dropout_masks(gm_nodes, info["storage_bytes"], sid)
+            if mode == "estimate" and spec is not None and spec.kind != "cpu"
+            else info["storage_bytes"]
+        ),
         model_outputs=tuple(trace.model_outputs),
         loss=trace.loss,
         grads=tuple(trace.grads),
@@ -683,6 +687,27 @@ def _build_profile(
         optimizer_step_bytes=optimizer_step_bytes,
         meta=meta,
     )
+
+
+def _gpu_dropout_masks(nodes: list[fx.Node], storage_bytes: list[int], sid) -> list[int]:
+    """Estimate mode traces fake CPU tensors, and the CPU decomposes dropout into
+    ``empty_like -> bernoulli_ -> div_ -> mul`` with a mask of the input's dtype; CUDA and ROCm run
+    ``native_dropout``, whose saved mask is bool (1 byte per element). Size those masks as the GPU
+    keeps them."""
+    out = list(storage_bytes)
+    bernoulli = {aten.bernoulli_.float, aten.bernoulli_.Tensor}
+    for n in nodes:
+        if n.op == "call_function" and n.target in bernoulli:
+            src = n.args[0]
+            val = src.meta.get("val") if isinstance(src, fx.Node) else None
+            s = sid(src) if isinstance(src, fx.Node) else None
+            if (
+                s is not None
+                and getattr(src, "target", None) is aten.empty_like.default
+                and isinstance(val, torch.Tensor)
+            ):
+                out[s] = val.numel()
+    return out
 
 
 def _device_name(device: torch.device) -> str:

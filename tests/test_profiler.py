@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from planner.devices import cpu_spec
 from planner.measure import measure
 from planner.profiler import profile, profile_with_trace
 from planner.trace import TraceError, default_loss, split_inputs
@@ -142,7 +143,8 @@ def test_profile_does_not_change_model_or_rng(name):
 def test_estimate_mode_matches_measure_mode_memory(name):
     model, inputs, pt, _ = _profiled(name)
     measured = pt.profile
-    est = profile(model, inputs, mode="estimate", device="h100")
+    # a CPU spec: the same kernels as the measured run (a GPU spec resizes dropout masks, below)
+    est = profile(model, inputs, mode="estimate", device=cpu_spec(measure=False))
     assert est.storage_bytes == measured.storage_bytes
     assert est.saved_bytes == measured.saved_bytes
     assert [n.name for n in est.nodes] == [n.name for n in measured.nodes]
@@ -151,6 +153,22 @@ def test_estimate_mode_matches_measure_mode_memory(name):
     assert est.step_ms > 0
     compute = [n for n in est.nodes if n.phase == "forward" and n.op.startswith(MATMUL_OPS)]
     assert compute and all(n.time_ms > 0 for n in compute)
+
+
+def test_estimate_for_gpu_keeps_dropout_masks_as_bool():
+    """On CUDA/ROCm dropout saves a 1-byte mask (native_dropout); the CPU decomposition's mask has
+    the input's dtype (4 bytes here). Everything else is the same."""
+    model, inputs, pt, _ = _profiled("mlp_dropout")
+    measured = pt.profile
+    gpu = profile(model, inputs, mode="estimate", device="h100")
+    changed = [s for s, (a, b) in enumerate(zip(gpu.storage_bytes, measured.storage_bytes,
+                                                strict=True)) if a != b]
+    assert changed, "no dropout mask was resized"
+    for s in changed:
+        assert gpu.storage_bytes[s] * 4 == measured.storage_bytes[s]
+        producer = next(n for n in gpu.nodes if s in n.new_storages)
+        assert producer.op == "aten.empty_like.default"
+    assert gpu.saved_bytes < measured.saved_bytes
 
 
 def test_estimate_mode_bf16_param_bytes():
