@@ -181,15 +181,14 @@ def gpt2_small(
 ):
     """`GPT2LMHeadModel(GPT2Config())` (124 M parameters), SDPA attention, input_ids + labels.
 
-    Attention dropout is off by default (``attn_pdrop=0``; residual and embedding dropout stay at
-    0.1): with it on, a CPU trace takes SDPA's math path, which stores the float32 (seq x seq)
-    attention probabilities and dropout mask (about 1.3 GiB per layer here) that a GPU's
-    flash/memory-efficient kernel never stores, so an estimate for a GPU would be far off.
+    The config's defaults, dropout 0.1 included. Estimate-mode profiles for a GPU route attention
+    with dropout to the fused kernel, as CUDA's flash/memory-efficient kernels do (a CPU trace would
+    otherwise take SDPA's math path and store the (seq x seq) probabilities and mask).
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(**{"attn_pdrop": 0.0, **config_overrides})
+    config = GPT2Config(**config_overrides)
     config._attn_implementation = "sdpa"
     with torch.device(device):
         model = GPT2LMHeadModel(config).to(dtype)

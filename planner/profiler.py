@@ -12,6 +12,7 @@ This is the one place where fx nodes become profile records. The joint graph fro
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import platform
 import statistics
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.profiler import record_function
 from torch.utils import _pytree as pytree
@@ -422,7 +424,12 @@ def profile_with_trace(
 
     say("tracing the training step (make_fx over forward, loss and autograd.grad)")
     ctx = fake_mode if fake_mode is not None else _null()
-    with preserved_rng(), ctx:
+    gpu_attention = (
+        _fused_attention_with_dropout()
+        if fake_mode is not None and spec.kind != "cpu"
+        else contextlib.nullcontext()
+    )
+    with preserved_rng(), ctx, gpu_attention:
         trace = trace_joint(
             model, *t_inputs, loss_fn=loss_fn, params=t_params, buffers=t_buffers
         )
@@ -687,6 +694,31 @@ def _build_profile(
         optimizer_step_bytes=optimizer_step_bytes,
         meta=meta,
     )
+
+
+@contextlib.contextmanager
+def _fused_attention_with_dropout():
+    """Estimate mode for a GPU: route `F.scaled_dot_product_attention` with dropout to the fused
+    (flash-style) kernel. On fake CPU tensors, dropout sends SDPA down its math path, which keeps
+    the (seq x seq) probabilities and mask; CUDA's flash and memory-efficient kernels apply dropout
+    inside the kernel and keep only the output and log-sum-exp, as the fused CPU kernel does."""
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        if dropout_p > 0 and not enable_gqa and query.dim() == 4 and key.shape == value.shape:
+            out, _lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+            )
+            return out
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def _gpu_dropout_masks(nodes: list[fx.Node], storage_bytes: list[int], sid) -> list[int]:

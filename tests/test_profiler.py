@@ -171,6 +171,32 @@ def test_estimate_for_gpu_keeps_dropout_masks_as_bool():
     assert gpu.saved_bytes < measured.saved_bytes
 
 
+def test_estimate_for_gpu_fuses_attention_with_dropout():
+    """With attention dropout, a CPU trace takes SDPA's math path (seq x seq probabilities and
+    mask); a GPU estimate keeps the fused kernel instead, as CUDA does, and so saves what the same
+    model without attention dropout saves."""
+    softmax = ("aten._softmax.default", "aten._safe_softmax.default")
+
+    def build(p_drop):
+        model, x = TINY["hf_gpt2"](layers=1)
+        for mod in model.modules():
+            if hasattr(mod, "attn_dropout"):
+                mod.attn_dropout.p = p_drop
+        return model, x
+
+    model, x = build(0.1)
+    cpu = profile(model, x, mode="estimate", device=cpu_spec(measure=False))
+    assert any(n.op in softmax for n in cpu.nodes)  # the math path, so the check below can fail
+    saved = {}
+    for p_drop in (0.0, 0.1):
+        model, x = build(p_drop)
+        prof = profile(model, x, mode="estimate", device="h100")
+        assert any("_scaled_dot_product_flash_attention" in n.op for n in prof.nodes)
+        assert not any(n.op in softmax for n in prof.nodes)
+        saved[p_drop] = prof.saved_bytes
+    assert saved[0.1] == saved[0.0] < cpu.saved_bytes
+
+
 def test_estimate_mode_bf16_param_bytes():
     model, x = mlp_dropout(batch=64, dim=64, depth=2)
     model = model.to(torch.bfloat16)
