@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tests.models import UNet as _TestUNet
+
 __all__ = ["Bottleneck", "ResNet50", "UNet", "resnet50", "unet", "gpt2_small", "llama7b"]
 
 
@@ -109,36 +111,10 @@ class DoubleConv(nn.Module):
         return self.body(x)
 
 
-class UNet(nn.Module):
-    """`depth` down steps (max-pool), a bottleneck, `depth` up steps (transposed conv + skip)."""
+class UNet(_TestUNet):
+    """The test zoo's U-Net with in-place ReLUs in its double convolutions."""
 
-    def __init__(self, base: int = 64, depth: int = 4, in_channels: int = 3, out_channels: int = 1):
-        super().__init__()
-        chans = [base * 2**i for i in range(depth + 1)]
-        self.downs = nn.ModuleList()
-        cin = in_channels
-        for c in chans[:-1]:
-            self.downs.append(DoubleConv(cin, c))
-            cin = c
-        self.pool = nn.MaxPool2d(2)
-        self.bottleneck = DoubleConv(chans[-2], chans[-1])
-        self.ups = nn.ModuleList()
-        self.up_convs = nn.ModuleList()
-        for c_hi, c_lo in zip(reversed(chans[1:]), reversed(chans[:-1]), strict=True):
-            self.ups.append(nn.ConvTranspose2d(c_hi, c_lo, 2, stride=2))
-            self.up_convs.append(DoubleConv(2 * c_lo, c_lo))
-        self.head = nn.Conv2d(chans[0], out_channels, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skips = []
-        for down in self.downs:
-            x = down(x)
-            skips.append(x)
-            x = self.pool(x)
-        x = self.bottleneck(x)
-        for up, conv, skip in zip(self.ups, self.up_convs, reversed(skips), strict=True):
-            x = conv(torch.cat([up(x), skip], dim=1))
-        return self.head(x)
+    block = DoubleConv
 
 
 def unet(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import operator
 import platform
 import statistics
 import sys
@@ -174,7 +175,7 @@ class _Runner:
     def _storages(n, env, storage_of, cdata_of, storage_bytes, new_storages) -> None:
         out = env[n]
         new_storages[n.name] = []
-        if n.op == "call_function" and n.target is _getitem():
+        if n.op == "call_function" and n.target is operator.getitem:
             src, idx = n.args
             storage_of[n] = storage_of[src][idx] if isinstance(storage_of[src], list) else None
             cdata_of[n] = cdata_of[src][idx] if isinstance(cdata_of[src], list) else None
@@ -309,19 +310,13 @@ def _calibrate_checkpoint(device: torch.device, sync: Callable[[], None],
 
 def _is_view(target: Any) -> bool:
     """getitem and ops whose output aliases an input without writing it (view, t, expand...)."""
-    if target is _getitem():
+    if target is operator.getitem:
         return True
     schema = getattr(target, "_schema", None)
     if schema is None or not schema.returns:
         return False
     info = schema.returns[0].alias_info
     return info is not None and not info.is_write
-
-
-def _getitem():
-    import operator
-
-    return operator.getitem
 
 
 class _null:

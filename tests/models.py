@@ -305,8 +305,14 @@ class DoubleConv(nn.Module):
 
 
 class UNet(nn.Module):
+    """`depth` down steps (max-pool), a bottleneck, `depth` up steps (transposed conv + skip).
+    `block` is the double convolution (benchmarks/zoo.py swaps in one with in-place ReLUs)."""
+
+    block: type[nn.Module] = DoubleConv
+
     def __init__(self, base: int, depth: int, in_channels: int = 3, out_channels: int = 1):
         super().__init__()
+        DoubleConv = self.block  # noqa: N806
         chans = [base * 2**i for i in range(depth + 1)]
         self.downs = nn.ModuleList()
         cin = in_channels
