@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-budgets", type=_floats, default=(0.8, 0.5, 0.2, 0.0),
                         help="torch.compile activation_memory_budget values")
     parser.add_argument("--compile-backend", default="aot_eager",
-                        help="torch.compile backend (default aot_eager; inductor needs a compiler)")
+                        help="torch.compile backend(s), comma-separated: aot_eager (default), "
+                             "inductor (needs a C++ compiler on CPU), or aot_eager,inductor")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile entries")
     parser.add_argument("--name", default=None, help="model name in the table and plot")
     parser.add_argument("-o", "--output", default="compare_out", help="output folder")
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=max(1, args.repeats),
         compile_budgets=args.compile_budgets,
         include_compile=not args.no_compile,
-        compile_backend=args.compile_backend,
+        compile_backend=tuple(b.strip() for b in args.compile_backend.split(",") if b.strip()),
         progress=True,
         name=args.name or args.spec.partition(":")[2] or None,
     )

@@ -6,7 +6,8 @@ In one process, on one machine, with the strategies alternated round-robin:
 - every baseline in `solvers.solve.BASELINES` (``per_block``, ``sqrt_n``, ``chen_greedy``,
   ``every_k``, ``selective_matmul``); the budget-dependent ones (``chen_greedy``, ``every_k``) are
   solved at the 0.5 budget;
-- ``torch.compile(model, backend="aot_eager")`` with
+- ``torch.compile(model, backend=...)`` for each of `compile_backend` (``aot_eager`` by default,
+  ``inductor`` where a C++ compiler is available) with
   ``torch._functorch.config.activation_memory_budget`` set to each of `compile_budgets`;
 - ours (``solve(method="auto")``): at the budget equal to each baseline's *measured* peak
   (iso-memory) and over a sweep of activation-budget fractions.
@@ -71,6 +72,9 @@ class Row:
     samples_ms: list[float] = field(default_factory=list)
     extra_pct: float | None = None
     """Extra step time against ``none``, in percent (median against median)."""
+    predicted_extra_pct: float | None = None
+    """The schedule's predicted recompute time (host cost of checkpointing included) as a percent
+    of the profiled step time (None for ``none`` and torch.compile)."""
     fits: bool | None = None
     """Measured peak within `budget_bytes` (None where there is no budget)."""
     status: str = "ok"
@@ -126,7 +130,7 @@ class CompareResult:
         )
         cols = ["strategy", "budget MiB", "method", "predicted peak MiB", "measured peak MiB",
                 "activations saved", "step ms (median)", "spread ms", "extra time",
-                "fits its budget", "fits fractions", "status"]
+                "predicted extra", "fits its budget", "fits fractions", "status"]
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
         def mib(x):
@@ -144,6 +148,7 @@ class CompareResult:
                 "" if r.step_ms is None else f"{r.step_ms:.1f}",
                 "" if r.step_ms_min is None else f"{r.step_ms_min:.1f}-{r.step_ms_max:.1f}",
                 "" if r.extra_pct is None else f"{r.extra_pct:+.1f}%",
+                "" if r.predicted_extra_pct is None else f"{r.predicted_extra_pct:+.1f}%",
                 "" if r.fits is None else ("yes" if r.fits else "**no**"),
                 self._fits_fractions(r),
                 r.status,
@@ -189,11 +194,11 @@ class CompareResult:
         if base is None:
             return fig
         style = {"none": ("k", "o"), "baseline": ("tab:blue", "s"), "compile": ("tab:orange", "^"),
-                 "ours_iso": ("tab:green", "*")}
+                 "compile_other": ("tab:red", "v"), "ours_iso": ("tab:green", "*")}
         for r in self.rows:
             if not r.measured or r.kind == "ours_sweep":
                 continue
-            c, mk = style[r.kind]
+            c, mk = style[_style_key(r)]
             x, y = r.measured_peak_bytes / MiB, r.step_ms / base
             err = [[y - r.step_ms_min / base], [r.step_ms_max / base - y]]
             ax.errorbar([x], [y], yerr=err, fmt=mk, color=c, ms=9 if mk == "*" else 6,
@@ -214,9 +219,15 @@ class CompareResult:
             ax.text(self.budgets[f] / MiB, ax.get_ylim()[1], f" {f:g}x", fontsize=7,
                     color="grey", va="top")
         ax.axhline(1.0, color="grey", lw=0.5)
-        for kind, label in (("none", "none"), ("baseline", "checkpoint baselines"),
-                            ("compile", "torch.compile activation_memory_budget"),
-                            ("ours_iso", "ours at a baseline's measured peak")):
+        other = sorted({r.method for r in self.rows
+                        if r.kind == "compile" and _style_key(r) == "compile_other"})
+        legend = [("none", "none"), ("baseline", "checkpoint baselines"),
+                  ("compile", "torch.compile(aot_eager) activation_memory_budget")]
+        if other:
+            legend.append(("compile_other",
+                           f"torch.compile({', '.join(other)}) activation_memory_budget"))
+        legend.append(("ours_iso", "ours at a baseline's measured peak"))
+        for kind, label in legend:
             c, mk = style[kind]
             ax.plot([], [], mk, color=c, label=label)
         ax.set_xlabel("measured peak memory of a training step (MiB)")
@@ -302,6 +313,17 @@ class _Say:
                   flush=True)
 
 
+def _pred_pct(s, prof: Profile) -> float:
+    return 100 * s.predicted_recompute_ms / max(prof.step_ms, 1e-9)
+
+
+def _style_key(r: Row) -> str:
+    """Plot style of a row: its kind, with compile rows of backends other than aot_eager apart."""
+    if r.kind == "compile" and r.method not in ("aot_eager", None):
+        return "compile_other"
+    return r.kind
+
+
 def _eager_attention(profile: Profile) -> bool:
     """A transformer with eager attention: softmax and batched matmuls in forward, no SDPA."""
     ops = {n.op for n in profile.nodes if n.phase == "forward"}
@@ -373,7 +395,7 @@ def compare(
     repeats: int = 3,
     compile_budgets: Sequence[float] = (0.8, 0.5, 0.2, 0.0),
     include_compile: bool = True,
-    compile_backend: str = "aot_eager",
+    compile_backend: str | Sequence[str] = "aot_eager",
     eager_attention: bool | None = None,
     iso: bool = True,
     inner_repeats: int = 2,
@@ -392,7 +414,9 @@ def compare(
             (`inner_repeats` timed steps each, after one warm-up step).
         compile_budgets: values of ``torch._functorch.config.activation_memory_budget``.
         include_compile: measure the torch.compile entries at all.
-        compile_backend: ``aot_eager`` (default) or ``inductor`` where a compiler is available.
+        compile_backend: ``aot_eager`` (default), ``inductor`` (needs a C++ compiler on CPU), or
+            a sequence of backends, each measured at every budget. aot_eager rows are named
+            ``compile(b)``, other backends' ``<backend>(b)``.
         eager_attention: evaluate the eager-attention target; None detects it from the graph
             (softmax and batched matmuls, no SDPA).
         iso: also plan ours at each baseline's measured peak (iso-memory).
@@ -401,6 +425,9 @@ def compare(
     """
     say = _Say(progress)
     name = name or type(model).__name__
+    backends = (compile_backend,) if isinstance(compile_backend, str) else tuple(compile_backend)
+    if include_compile and not backends:
+        raise ValueError("compile_backend names no backend; pass include_compile=False instead")
     fractions = tuple(fractions)
     t_start = time.perf_counter()
     say(f"{name}: profiling")
@@ -439,7 +466,8 @@ def compare(
         budget = mid if m in _BUDGET_DEPENDENT else None
         s = solve(prof, budget if budget is not None else 2**62, m)
         row = Row(strategy=m, kind="baseline", budget_bytes=budget, method=m,
-                  predicted_peak_bytes=s.predicted_peak_bytes, regions=len(s.regions))
+                  predicted_peak_bytes=s.predicted_peak_bytes, regions=len(s.regions),
+                  predicted_extra_pct=_pred_pct(s, prof))
         try:
             mod = PlannedModule(model, pt.trace, rewrite(pt.trace, s))
         except Exception as ex:  # noqa: BLE001 - record, do not crash
@@ -458,16 +486,18 @@ def compare(
             say("this torch has no activation_memory_budget: compile entries skipped")
         else:
             torch._dynamo.reset()
-            for b in compile_budgets:
-                row = Row(strategy=f"compile({b:g})", kind="compile", method=compile_backend)
-                try:
-                    torch._dynamo.reset()  # no reuse of another budget's graphs
-                    cm = torch.compile(model, backend=_compile_backend(b, compile_backend))
-                except Exception as ex:  # noqa: BLE001
-                    row.status = f"error: {type(ex).__name__}: {ex}"[:200]
-                    add(row, None)
-                    continue
-                add(row, cm, b)
+            for backend in backends:
+                for b in compile_budgets:
+                    label = "compile" if backend == "aot_eager" else backend
+                    row = Row(strategy=f"{label}({b:g})", kind="compile", method=backend)
+                    try:
+                        torch._dynamo.reset()  # no reuse of another budget's graphs
+                        cm = torch.compile(model, backend=_compile_backend(b, backend))
+                    except Exception as ex:  # noqa: BLE001
+                        row.status = f"error: {type(ex).__name__}: {ex}"[:200]
+                        add(row, None)
+                        continue
+                    add(row, cm, b)
 
     # round 1 of the anchors: compiles, and gives the measured peaks the iso plans need
     for e in entries[1:]:
@@ -489,6 +519,7 @@ def compare(
             row.method, row.regions = prev.row.method, prev.row.regions
             row.predicted_peak_bytes, row.status, row.fits = (
                 prev.row.predicted_peak_bytes, prev.row.status, prev.row.fits)
+            row.predicted_extra_pct = prev.row.predicted_extra_pct
             e = add(row, None)
             e.alias = (prev.alias or prev) if prev.row.status == "ok" else None
             return
@@ -510,6 +541,7 @@ def compare(
         s = p.schedule
         row.method = s.method
         row.predicted_peak_bytes = s.predicted_peak_bytes
+        row.predicted_extra_pct = _pred_pct(s, prof)
         row.regions = len(s.regions)
         e = add(row, p.module)
         by_budget[budget] = e
@@ -572,7 +604,7 @@ def compare(
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "inner_repeats": inner_repeats,
-        "compile_backend": compile_backend if include_compile else None,
+        "compile_backend": ",".join(backends) if include_compile else None,
         "profile_step_ms": prof.step_ms,
         "seconds": round(time.perf_counter() - t_start, 1),
     }

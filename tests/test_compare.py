@@ -1,0 +1,58 @@
+"""`planner.compare`: rows, predictions next to measurements, several torch.compile backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.comparison import compare
+from tests.models import ln_linear_stack
+
+
+@pytest.fixture(scope="module")
+def result():
+    torch.manual_seed(0)
+    model, x = ln_linear_stack(batch=16, seq=32, dim=64, n=4)
+    model.train()
+    return compare(
+        model, x, fractions=(0.75,), repeats=1, inner_repeats=1, compile_budgets=(0.5,),
+        compile_backend=("aot_eager", "eager"), iso=False, time_limit_s=5, name="stack",
+    )
+
+
+def test_one_row_per_backend_and_budget(result) -> None:
+    compiled = {r.strategy: r.method for r in result.rows if r.kind == "compile"}
+    assert compiled == {"compile(0.5)": "aot_eager", "eager(0.5)": "eager"}
+    assert result.meta["compile_backend"] == "aot_eager,eager"
+    for r in result.rows:
+        if r.kind == "compile":
+            assert r.measured and r.status == "ok", r
+            assert r.predicted_extra_pct is None  # we predict nothing for torch.compile
+
+
+def test_predicted_extra_time_is_reported_for_every_schedule(result) -> None:
+    none = result.row("none")
+    assert none.predicted_extra_pct is None and none.extra_pct == 0.0
+    per_block = result.row("per_block")
+    assert per_block.regions == 4 and per_block.predicted_extra_pct > 0
+    ours = result.row("ours@0.75")
+    assert ours.status.startswith("ok") and ours.fits
+    assert ours.predicted_extra_pct is not None and ours.predicted_extra_pct >= 0
+    header = result.table().splitlines()[2]
+    assert "predicted extra" in header
+    row = next(line for line in result.table().splitlines() if line.startswith("| per_block "))
+    assert f"{per_block.predicted_extra_pct:+.1f}%" in row
+
+
+def test_plot_marks_other_backends_apart(result, tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    fig = result.plot()
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "torch.compile(eager) activation_memory_budget" in labels
+    assert "torch.compile(aot_eager) activation_memory_budget" in labels
+
+
+def test_no_backend_is_an_error() -> None:
+    model, x = ln_linear_stack(batch=2, seq=4, dim=8, n=2)
+    with pytest.raises(ValueError, match="no backend"):
+        compare(model, x, compile_backend=())
