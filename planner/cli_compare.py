@@ -50,8 +50,14 @@ def run(args: argparse.Namespace) -> int:
     except _SpecError as e:
         print(f"ckpt-planner compare: {e}", file=sys.stderr)
         return 2
-    from planner.comparison import compare  # imports torch
+    from planner.comparison import compare, host_allocator  # imports torch
 
+    if host_allocator() == "glibc":
+        print("ckpt-planner compare: this process allocates with glibc's malloc, which returns "
+              "large freed blocks to the OS; on CPU, page faults then inflate every strategy's "
+              "step time, checkpointing's most. For steadier figures run under tcmalloc or "
+              "jemalloc, e.g. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 "
+              "(Debian: apt install libtcmalloc-minimal4).", file=sys.stderr)
     model.train()
     res = compare(
         model, example_inputs,

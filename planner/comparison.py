@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +170,26 @@ class CompareResult:
                 {"target": t, "passed": ok, "detail": d} for t, ok, d in self.checks()
             ],
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompareResult:
+        """Inverse of `to_dict` (the checks are recomputed from the rows, not read)."""
+        known = {f.name for f in fields(Row)}
+        return cls(
+            model=d["model"],
+            rows=[Row(**{k: v for k, v in r.items() if k in known}) for r in d["rows"]],
+            none_peak_bytes=d["none_peak_bytes"],
+            fixed_bytes=d["fixed_bytes"],
+            fractions=tuple(d["fractions"]),
+            budgets={float(f): b for f, b in d["budgets"].items()},
+            eager_attention=d["eager_attention"],
+            meta=d.get("meta", {}),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> CompareResult:
+        """Read a ``results.json`` written by `to_json` (``ckpt-planner compare``)."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_json(self, path: str | Path) -> Path:
         path = Path(path)
@@ -601,6 +621,7 @@ def compare(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": _cpu_name(),
+        "malloc": host_allocator(),
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "inner_repeats": inner_repeats,
@@ -613,6 +634,25 @@ def compare(
         model=name, rows=[e.row for e in entries], none_peak_bytes=N, fixed_bytes=F,
         fractions=fractions, budgets=budgets, eager_attention=eager, meta=meta,
     )
+
+
+def host_allocator() -> str:
+    """The C allocator this process runs on: ``tcmalloc``, ``jemalloc``, ``mimalloc`` (preloaded
+    or linked), ``glibc`` on other Linux, ``unknown`` elsewhere.
+
+    It matters on CPU: with glibc's malloc, large tensors freed and allocated again come back as
+    fresh pages, and first touching 16 MiB of them cost 25-30 ms on the development VM (an op that
+    otherwise takes 1 ms). Checkpointing frees and reallocates more than no checkpointing does, so
+    glibc inflates its measured cost; PyTorch's CPU tuning guide recommends tcmalloc or jemalloc.
+    """
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    for name in ("tcmalloc", "jemalloc", "mimalloc"):
+        if name in maps:
+            return name
+    return "glibc" if platform.system() == "Linux" else "unknown"
 
 
 def _cpu_name() -> str:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-from solvers.candidates import blocks, cut_points, live_bytes_across
+from solvers.candidates import MATMUL_OPS, blocks, cut_points, live_bytes_across
+from solvers.candidates import is_matmul as _is_matmul
 from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
 from solvers.simulate import graph_index, simulate
@@ -17,9 +18,6 @@ from solvers.solve import register
 
 __all__ = ["MATMUL_OPS", "region", "units", "chen_segments"]
 
-MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_")
-"""Ops whose outputs torchtitan's selective policy saves (op name after ``aten.``, prefix match for
-the SDPA kernels)."""
 
 
 def region(profile: Profile, a: int, b: int, saved: tuple[str, ...] = ()) -> Region:
@@ -40,11 +38,6 @@ def units(profile: Profile) -> list[tuple[int, int]]:
     cuts = [pos[i] for i in cut_points(profile)]
     bounds = [-1, *cuts, len(g.forward) - 1]
     return [(bounds[k] + 1, bounds[k + 1]) for k in range(len(bounds) - 1)]
-
-
-def _is_matmul(op: str) -> bool:
-    name = op.split(".")[1] if op.startswith("aten.") else op
-    return any(name == m or (m.endswith("_") and name.startswith(m)) for m in MATMUL_OPS)
 
 
 def _pick(profile: Profile, budget_bytes: int, options: list[tuple[tuple[Region, ...], dict]],

@@ -17,7 +17,17 @@ import numpy as np
 from solvers.profile import Profile
 from solvers.simulate import graph_index
 
-__all__ = ["Block", "blocks", "cut_points", "live_bytes_across", "valid_cuts"]
+__all__ = ["MATMUL_OPS", "Block", "blocks", "cut_points", "is_matmul", "live_bytes_across",
+           "valid_cuts"]
+
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_")
+"""Ops whose outputs torchtitan's selective policy saves (op name after ``aten.``, prefix match for
+the SDPA kernels); `cut_points` can also cut after each of them."""
+
+
+def is_matmul(op: str) -> bool:
+    name = op.split(".")[1] if op.startswith("aten.") else op
+    return any(name == m or (m.endswith("_") and name.startswith(m)) for m in MATMUL_OPS)
 
 MAX_CUTS = 200
 """At most this many candidate cuts overall (block boundaries always kept)."""
@@ -146,12 +156,18 @@ def valid_cuts(profile: Profile) -> list[bool]:
     return [bool(b == 0) for b in bad]
 
 
-def cut_points(profile: Profile) -> list[int]:
+def cut_points(profile: Profile, *, matmul_cuts: bool = False) -> list[int]:
     """Profile node indices of forward nodes after which a region boundary is allowed and cheap.
 
     Valid block boundaries always; then local minima of `live_bytes_across` (all of a flat one),
-    lowest first, at most `MAX_CUTS_PER_BLOCK` inside a block and `MAX_CUTS` overall. The chain's
+    lowest first, at most `MAX_CUTS_PER_BLOCK` inside a block; then, with `matmul_cuts`, a cut
+    after every matmul/convolution (`is_matmul`), in forward order; `MAX_CUTS` overall. The chain's
     start and end are implicit (not listed).
+
+    Matmul cuts let a plan recompute the cheap ops between two matmuls (a LayerNorm and the
+    matmul that reads it, a GELU and the matmul after it) as plain regions of their own, which
+    keeps the matmul outputs without a selective region's per-op dispatch cost. The solvers use
+    them; the baselines' units do not (they are defined on the blocks and live-bytes minima).
     """
     g = graph_index(profile)
     n = len(g.forward)
@@ -194,4 +210,10 @@ def cut_points(profile: Profile) -> list[int]:
             continue
         per_block[b_i] += 1
         chosen.add(k)
+    if matmul_cuts:
+        for k in range(n - 1):
+            if len(chosen) >= MAX_CUTS:
+                break
+            if valid[k] and is_matmul(profile.nodes[g.forward[k]].op):
+                chosen.add(k)
     return [g.forward[k] for k in sorted(chosen)]

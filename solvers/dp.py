@@ -83,7 +83,8 @@ def chain_model(profile: Profile) -> ChainModel:
     g = graph_index(profile)
     fwd = g.forward
     n = len(fwd)
-    cuts = [-1, *sorted({g.fwd_pos[i] for i in cut_points(profile)} - {n - 1}), n - 1]
+    cuts = [-1, *sorted({g.fwd_pos[i] for i in cut_points(profile, matmul_cuts=True)}
+                     - {n - 1}), n - 1]
     k1 = len(cuts)
     starts = np.array([c + 1 for c in cuts])
     ends = np.array(cuts)

@@ -97,7 +97,7 @@ class ProfileMeta:
     """Host time per tensor a region saves (pack and unpack hooks, twice), calibrated likewise."""
     checkpoint_selective_op_ms: float = 0.0
     """Host time per op of a selective region (its dispatch mode sees every op in forward and in
-    the replay), calibrated likewise."""
+    the replay), calibrated likewise and on the model's own forward (the larger of the two)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,3 +56,12 @@ def test_no_backend_is_an_error() -> None:
     model, x = ln_linear_stack(batch=2, seq=4, dim=8, n=2)
     with pytest.raises(ValueError, match="no backend"):
         compare(model, x, compile_backend=())
+
+
+def test_results_json_round_trip(result, tmp_path) -> None:
+    from planner.comparison import CompareResult
+
+    back = CompareResult.load(result.to_json(tmp_path / "results.json"))
+    assert back.rows == result.rows
+    assert back.budgets == result.budgets and back.fractions == result.fractions
+    assert back.table() == result.table() and back.checks() == result.checks()
