@@ -15,6 +15,6 @@ models=("$@")
 for m in "${models[@]}"; do
     LD_PRELOAD="$TCMALLOC" ckpt-planner compare "benchmarks.cpu_sizes:$m" \
         --compile-backend aot_eager,inductor --repeats 3 -o "benchmarks/compare/$m" \
-        2> >(grep -v '^USDT:' >&2)
+        2> >(grep --line-buffered -v '^USDT:' >&2)
 done
 python benchmarks/results_md.py

@@ -111,7 +111,11 @@ def compare_nb() -> nbformat.NotebookNode:
             "`torch.compile(backend='aot_eager')` with `activation_memory_budget` in "
             "{0.8, 0.5, 0.2, 0}, and our plans at each baseline's measured peak (iso-memory) and "
             "over a sweep of budgets (fractions of the activation memory). CPU step times move "
-            "by 5-10 points between runs: the table gives medians and their spread."
+            "by 5-10 points between runs: the table gives medians and their spread.\n\n"
+            "Full sizes are `benchmarks/cpu_sizes.py` (a step takes 0.1-0.45 s on the 2-core "
+            "development CPU). Run the kernel under tcmalloc for steady CPU timings "
+            "(`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 jupyter ...`; see "
+            "`benchmarks/RESULTS.md`, which also has `torch.compile(backend='inductor')`)."
         ),
         new_code_cell(SETUP),
         new_code_cell(
@@ -134,13 +138,17 @@ if SMALL:
     opts = dict(repeats=1, inner_repeats=1, fractions=(0.5,), include_compile=False,
                 iso=False, profile_repeats=1, time_limit_s=5)
 else:
+    from benchmarks.cpu_sizes import SIZES
+
     cases = {
-        "GPT, eager attention": (models.gpt_eager, dict(batch=4, seq=64)),
-        "HF GPT-2 (SDPA)": (models.hf_gpt2, dict(batch=4, seq=64)),
-        "ResNet-like CNN": (models.resnet_bn, dict(batch=4, image=32)),
-        "U-Net": (models.unet, dict(batch=2, image=48)),
+        "GPT, eager attention": (models.gpt_eager, SIZES["gpt_eager"]),
+        "HF GPT-2 (SDPA)": (models.hf_gpt2, SIZES["hf_gpt2"]),
+        "ResNet-like CNN": (models.resnet_bn, SIZES["resnet_bn"]),
+        "U-Net": (models.unet, SIZES["unet"]),
     }
-    opts = dict(repeats=2, time_limit_s=20)
+    opts = dict(repeats=2, time_limit_s=10)
+from planner.comparison import host_allocator
+print("C allocator:", host_allocator())
 results = {}"""
         ),
     ]
