@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.comparison import MiB, CompareResult  # noqa: E402
+from planner.comparison import CompareResult, MiB  # noqa: E402
 
 ORDER = ["gpt_eager", "hf_gpt2", "hf_llama", "resnet_bn", "unet", "deep_narrow_cnn"]
 
