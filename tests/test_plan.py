@@ -259,6 +259,21 @@ def test_tuple_output_stays_a_tuple():
     assert v.measured_peak_bytes <= budget
 
 
+def test_planned_module_sees_a_parameter_the_user_replaced():
+    """The planned module reads parameters from their owner modules on every call, so a tensor
+    swapped in after planning (a loaded checkpoint, a re-initialised layer) is the one used, tied
+    weights included."""
+    torch.manual_seed(0)
+    model, x = TINY["gpt_eager"](batch=2, seq=16, dim=32, heads=2, layers=2, vocab=64)
+    model.train()
+    p = planner.plan(model, budget_gb=1.0, example_inputs=x, method="per_block")
+    assert p.schedule.regions  # the checkpointed graph runs, not a fallback
+    model.blocks[1].mlp.c_fc.weight = nn.Parameter(torch.randn_like(model.blocks[1].mlp.c_fc.weight))
+    with torch.no_grad():
+        model.wte.weight.mul_(2.0)  # tied to lm_head.weight
+    torch.testing.assert_close(p.module(x), model(x))
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 
