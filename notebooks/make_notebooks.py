@@ -125,7 +125,7 @@ import time
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from planner.comparison import compare
+from planner.comparison import compare, host_allocator
 from tests import models
 
 if SMALL:
@@ -147,7 +147,6 @@ else:
         "U-Net": (models.unet, SIZES["unet"]),
     }
     opts = dict(repeats=2, time_limit_s=10)
-from planner.comparison import host_allocator
 print("C allocator:", host_allocator())
 results = {}"""
         ),
