@@ -19,7 +19,6 @@ from solvers.solve import register
 __all__ = ["MATMUL_OPS", "region", "units", "chen_segments"]
 
 
-
 def region(profile: Profile, a: int, b: int, saved: tuple[str, ...] = ()) -> Region:
     """The region over forward positions a..b (inclusive)."""
     g = graph_index(profile)

@@ -26,8 +26,10 @@ the SDPA kernels); `cut_points` can also cut after each of them."""
 
 
 def is_matmul(op: str) -> bool:
+    """A profile op name (``aten.addmm.default``) is one of `MATMUL_OPS`."""
     name = op.split(".")[1] if op.startswith("aten.") else op
     return any(name == m or (m.endswith("_") and name.startswith(m)) for m in MATMUL_OPS)
+
 
 MAX_CUTS = 200
 """At most this many candidate cuts overall (block boundaries always kept)."""
