@@ -59,12 +59,14 @@ WHY_TCMALLOC = """\
 With glibc's malloc, a large tensor freed and allocated again can come back as fresh pages from the
 OS. Profiling one step of the planned GPT (`torch.profiler`, per-op events) showed single
 `copy_` and `_softmax` calls on a 16 MiB tensor taking 26-31 ms instead of their usual 1.1-1.4 ms,
-several times a step, in checkpointed runs; with tcmalloc preloaded, none did (largest 1.4 ms).
-Checkpointing frees and reallocates more than no checkpointing, so glibc inflated every
-checkpointed strategy's measured cost (the plan at 0.5x measured +20% against none under glibc,
-+17% under tcmalloc, in the same session). PyTorch's CPU performance guide recommends tcmalloc or
-jemalloc for training anyway; `compare` records the allocator in `results.json` (`meta.malloc`)
-and `ckpt-planner compare` warns when it runs on glibc's.
+several times a step, in checkpointed runs. With tcmalloc preloaded, none did: the largest call
+took 1.5 ms. Checkpointing frees and reallocates more than no checkpointing, so glibc inflated
+every checkpointed strategy's measured cost. In two `compare` runs of gpt_eager with the same
+planner, our 0.5x plan measured +20.7% against `none` under glibc and +16.6% under tcmalloc.
+
+PyTorch's CPU performance guide recommends tcmalloc or jemalloc for training anyway. `compare`
+records the allocator in `results.json` (`meta.malloc`), and `ckpt-planner compare` warns when it
+runs on glibc's.
 """
 
 
