@@ -5,8 +5,8 @@ Same definitions as the test zoo (`tests/models.py`), larger sizes. Use as a mod
 
     ckpt-planner compare benchmarks.cpu_sizes:gpt_eager -o benchmarks/compare/gpt_eager
 
-Eager step times measured on that machine (median of 5, 2 threads): gpt_eager 427 ms,
-hf_gpt2 420 ms, hf_llama 337 ms, resnet_bn 205 ms, unet 101 ms, deep_narrow_cnn 113 ms.
+The eager step time of each (`none` in benchmarks/compare/<model>/results.json, tcmalloc, 2
+threads) is in benchmarks/RESULTS.md's summary table.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ SIZES: dict[str, dict] = {
         batch=8, seq=256, layers=6, hidden=256, heads=8, kv_heads=4, intermediate=688, vocab=2048
     ),
     "resnet_bn": dict(batch=16, width=32, blocks=(2, 2, 2), image=64),
-    "unet": dict(batch=8, base=16, depth=3, image=96),
+    "unet": dict(batch=8, base=16, depth=3, image=112),
     "deep_narrow_cnn": dict(batch=8, channels=16, depth=32, image=64),
 }
 """Keyword sizes per test-zoo builder."""
@@ -49,7 +49,7 @@ def resnet_bn():
 
 
 def unet():
-    """U-Net: base 16, depth 3, 8 images of 96x96."""
+    """U-Net: base 16, depth 3, 8 images of 112x112."""
     return _m.unet(**SIZES["unet"])
 
 

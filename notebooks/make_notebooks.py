@@ -112,7 +112,7 @@ def compare_nb() -> nbformat.NotebookNode:
             "{0.8, 0.5, 0.2, 0}, and our plans at each baseline's measured peak (iso-memory) and "
             "over a sweep of budgets (fractions of the activation memory). CPU step times move "
             "by 5-10 points between runs: the table gives medians and their spread.\n\n"
-            "Full sizes are `benchmarks/cpu_sizes.py` (a step takes 0.1-0.45 s on the 2-core "
+            "Full sizes are `benchmarks/cpu_sizes.py` (a step takes 0.1-0.4 s on the 2-core "
             "development CPU). Run the kernel under tcmalloc for steady CPU timings "
             "(`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 jupyter ...`; see "
             "`benchmarks/RESULTS.md`, which also has `torch.compile(backend='inductor')`)."

@@ -23,6 +23,15 @@ def _floats(text: str) -> tuple[float, ...]:
     return vals
 
 
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated backend names such as aot_eager,inductor, got {text!r} "
+            "(use --no-compile to skip torch.compile)")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "spec", metavar="SPEC",
@@ -34,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="round-robin rounds over all strategies (default 3)")
     parser.add_argument("--compile-budgets", type=_floats, default=(0.8, 0.5, 0.2, 0.0),
                         help="torch.compile activation_memory_budget values")
-    parser.add_argument("--compile-backend", default="aot_eager",
+    parser.add_argument("--compile-backend", type=_names, default=("aot_eager",),
                         help="torch.compile backend(s), comma-separated: aot_eager (default), "
                              "inductor (needs a C++ compiler on CPU), or aot_eager,inductor")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile entries")
@@ -65,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=max(1, args.repeats),
         compile_budgets=args.compile_budgets,
         include_compile=not args.no_compile,
-        compile_backend=tuple(b.strip() for b in args.compile_backend.split(",") if b.strip()),
+        compile_backend=args.compile_backend,
         progress=True,
         name=args.name or args.spec.partition(":")[2] or None,
     )

@@ -261,10 +261,23 @@ class CompareResult:
         return fig
 
     # -- targets ------------------------------------------------------------------------------
-    def checks(self) -> list[tuple[str, bool, str]]:
-        """The issue's targets, evaluated on the measurements: (target, passed, detail)."""
+    def anchors(self, leave_out: Sequence[str] = ()) -> list[Row]:
+        """Measured baseline and torch.compile rows, less those whose method is in `leave_out`
+        (``("inductor",)``: the eager-execution anchors only)."""
+        return [r for r in self.rows if r.kind in ("baseline", "compile") and r.measured
+                and r.method not in leave_out]
+
+    def fastest_fitting_anchor(self, f: float, leave_out: Sequence[str] = ()) -> Row | None:
+        """The anchor with the least extra time among those that fit the budget of fraction f."""
+        fitting = [a for a in self.anchors(leave_out)
+                   if a.measured_peak_bytes <= self.budgets[f]]
+        return min(fitting, key=lambda a: a.extra_pct) if fitting else None
+
+    def checks(self, leave_out: Sequence[str] = ()) -> list[tuple[str, bool, str]]:
+        """The issue's targets, evaluated on the measurements: (target, passed, detail). Anchors
+        whose method is in `leave_out` do not count (by default every anchor does)."""
         out: list[tuple[str, bool, str]] = []
-        anchors = [r for r in self.rows if r.kind in ("baseline", "compile") and r.measured]
+        anchors = self.anchors(leave_out)
         for f in self.fractions:
             budget = self.budgets[f]
             ours = next((r for r in self.rows if r.kind == "ours_sweep" and r.fraction == f), None)
@@ -282,9 +295,9 @@ class CompareResult:
                 ours_fits or not fitting,
                 f"budget {budget / MiB:.2f} MiB; {ours_desc}; anchors that fit: {names}",
             ))
-            if not fitting:
+            best = self.fastest_fitting_anchor(f, leave_out)
+            if best is None:
                 continue
-            best = min(fitting, key=lambda a: a.extra_pct)
             if not ours_fits:
                 out.append((f"{f:g}x: extra time vs fastest fitting anchor", False,
                             f"fastest fitting anchor {best.strategy} {best.extra_pct:+.1f}%; "

@@ -528,20 +528,27 @@ def _dominant_dtype(params: dict[str, torch.Tensor]) -> str:
     return max(counts, key=counts.__getitem__) if counts else "float32"
 
 
+def _detached_state(model) -> dict[str, torch.Tensor]:
+    """Parameters (detached leaves, same requires_grad) and buffer clones for `functional_call`:
+    a step run with them leaves the model's own tensors, BatchNorm statistics included, as
+    they were."""
+    params = {k: v.detach().requires_grad_(v.requires_grad) for k, v in model.named_parameters()}
+    return {**params, **{k: v.clone() for k, v in model.named_buffers()}}
+
+
 def _time_eager_step(model, example_inputs, loss_fn, repeats, sync) -> float:
     """Median time of the original model's eager step, with the model's own state left unchanged."""
     from planner.trace import default_loss
 
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
-    params = {k: v.detach().requires_grad_(v.requires_grad) for k, v in model.named_parameters()}
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
-    wrt = [p for p in params.values() if p.requires_grad]
+    state = _detached_state(model)
+    wrt = [p for p in state.values() if p.requires_grad]
     samples = []
     for _ in range(max(1, repeats) + 1):
         sync()
         t0 = time.perf_counter()
-        out = torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
+        out = torch.func.functional_call(model, state, args, kwargs)
         torch.autograd.grad(loss_fn(out), wrt, allow_unused=True)
         del out
         sync()
@@ -560,9 +567,7 @@ def _selective_op_cost(model, example_inputs, repeats, sync) -> float:
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     args, kwargs = split_inputs(example_inputs)
-    params = {k: v.detach().requires_grad_(v.requires_grad) for k, v in model.named_parameters()}
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
-    state = {**params, **buffers}
+    state = _detached_state(model)
     calls = [0]
 
     def policy(ctx, func, *a, **k):

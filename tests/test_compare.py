@@ -65,3 +65,25 @@ def test_results_json_round_trip(result, tmp_path) -> None:
     assert back.rows == result.rows
     assert back.budgets == result.budgets and back.fractions == result.fractions
     assert back.table() == result.table() and back.checks() == result.checks()
+
+
+def test_anchors_can_leave_a_backend_out(result) -> None:
+    every = {r.strategy for r in result.anchors()}
+    assert {"per_block", "compile(0.5)", "eager(0.5)"} <= every
+    assert {r.strategy for r in result.anchors(("eager",))} == every - {"eager(0.5)"}
+    for f in result.fractions:
+        best = result.fastest_fitting_anchor(f, ("eager",))
+        fitting = [r for r in result.anchors(("eager",))
+                   if r.measured_peak_bytes <= result.budgets[f]]
+        assert best is (min(fitting, key=lambda r: r.extra_pct) if fitting else None)
+    # the checks read the same anchors: the one left out is never named as the fastest
+    assert all("eager(0.5)" not in d for t, _, d in result.checks(("eager",)) if "extra time" in t)
+
+
+def test_cli_refuses_an_empty_backend_list(capsys) -> None:
+    from planner.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "tests.models:ln_linear_stack", "--compile-backend", ","])
+    assert e.value.code == 2
+    assert "--no-compile" in capsys.readouterr().err
