@@ -528,6 +528,12 @@ def _dominant_dtype(params: dict[str, torch.Tensor]) -> str:
     return max(counts, key=counts.__getitem__) if counts else "float32"
 
 
+def _calibration_rounds(repeats: int) -> int:
+    """Alternating rounds for the on-model calibrations (the first is a warm-up): at most 4 timed,
+    so that a large `repeats` for the op times does not multiply these whole-model runs too."""
+    return min(max(1, repeats), 3) + 2
+
+
 def _detached_state(model) -> dict[str, torch.Tensor]:
     """Parameters (detached leaves, same requires_grad) and buffer clones for `functional_call`:
     a step run with them leaves the model's own tensors, BatchNorm statistics included, as
@@ -577,7 +583,7 @@ def _selective_op_cost(model, example_inputs, repeats, sync) -> float:
     plain: list[float] = []
     sac: list[float] = []
     try:
-        for r in range(max(1, repeats) + 2):
+        for r in range(_calibration_rounds(repeats)):
             calls[0] = 0
             for mode in (None, "sac"):
                 sync()
@@ -638,7 +644,7 @@ def _region_cost_on_model(prof: Profile, trace: JointTrace, model, example_input
     planned: list[float] = []
     try:
         mod = PlannedModule(model, trace, rewrite(trace, Schedule(regions=regs, method="calib")))
-        for r in range(max(1, repeats) + 2):
+        for r in range(_calibration_rounds(repeats)):
             for m, out_list in ((model, plain), (mod, planned)):
                 sync()
                 t0 = time.perf_counter()
