@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
 
-    from planner.profiler import profile  # imports torch
+    from planner.profiling import profile  # imports torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.profiler import profile  # noqa: E402
+from planner.profiling import profile  # noqa: E402
 from solvers.schedule import Region  # noqa: E402
 from solvers.simulate import simulate  # noqa: E402
 from solvers.solve import solve  # noqa: E402

@@ -2,13 +2,16 @@
 
 For each model of the TINY zoo and each budget ``F + f * (N - F)`` (``N`` the simulated peak without
 checkpointing, ``F`` the fixed memory, ``f`` in 0.7, 0.5, 0.3; raised to the smallest feasible peak
-where needed), every strategy is measured in this one process with `planner.measure.measure`
+where needed), every strategy is applied to the model in place and measured in this one process
+with `planner.measure`
 (``repeats=5``), alternating strategies and repeating the round 3 times; medians are reported.
 
     HF_HUB_OFFLINE=1 python benchmarks/plan_table.py [--sizes small|default] [--models a,b]
 
 Prints a Markdown table. Peaks are CPU allocator peaks of one training step (forward + backward,
-parameters and inputs included), as `planner.measure` defines them.
+parameters and inputs included), as `planner.measure` defines them. A baseline whose segments
+span several module calls (sqrt_n outside an nn.Sequential) cannot be applied in place: its row
+shows the prediction only.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner import api  # noqa: E402
-from planner.measure import measure  # noqa: E402
-from planner.profiler import profile_with_trace  # noqa: E402
-from planner.rewrite import PlannedModule, rewrite  # noqa: E402
+from planner import measure, profile  # noqa: E402
+from planner.api import SLACK_BYTES  # noqa: E402
+from planner.inplace import applying  # noqa: E402
 from solvers.simulate import simulate  # noqa: E402
-from solvers.solve import smallest_peak, solve  # noqa: E402
+from solvers.solve import applicable, smallest_peak, solve  # noqa: E402
 from tests.models import TINY  # noqa: E402
 
 MiB = 2**20
@@ -51,30 +53,31 @@ SMALL = {
 def run_model(name: str, kwargs: dict, method: str, rounds: int, repeats: int) -> list[dict]:
     model, x = TINY[name](**kwargs)
     model.train()
-    pt = profile_with_trace(model, x, repeats=3)
-    prof = pt.profile
+    prof = profile(model, x, repeats=3)
     n_peak = simulate(prof).peak_bytes
-    least = smallest_peak(prof) + api.SLACK_BYTES  # the smallest budget plan() keeps its slack at
+    least = smallest_peak(prof) + SLACK_BYTES  # the smallest budget plan() keeps its slack at
     rows = []
     for f in FRACTIONS:
         budget = max(int(prof.fixed_bytes + f * (n_peak - prof.fixed_bytes)), least)
         scheds = {
             # as planner.plan does: keep SLACK_BYTES for the few allocations the profile misses
-            "ours": solve(prof, budget - api.SLACK_BYTES, method=method),
+            "ours": solve(prof, budget - SLACK_BYTES, method=method),
             "per_block": solve(prof, budget, method="per_block"),
             "sqrt_n": solve(prof, budget, method="sqrt_n"),
         }
-        modules = {"none": model}
-        for k, s in scheds.items():
-            modules[k] = PlannedModule(model, pt.trace, rewrite(pt.trace, s))
+        runnable = ["none", *(k for k, s in scheds.items() if applicable(s))]
         peaks: dict[str, list[int]] = {k: [] for k in STRATEGIES}
         times: dict[str, list[float]] = {k: [] for k in STRATEGIES}
         for _ in range(rounds):
-            for k in STRATEGIES:
-                m = measure(modules[k], x, repeats=repeats)
+            for k in runnable:
+                if k == "none":
+                    m = measure(model, x, repeats=repeats)
+                else:
+                    with applying(model, scheds[k]):
+                        m = measure(model, x, repeats=repeats)
                 peaks[k].append(m.peak_bytes)
                 times[k].append(m.step_ms)
-        med_t = {k: statistics.median(v) for k, v in times.items()}
+        med_t = {k: statistics.median(v) for k, v in times.items() if v}
         row = {
             "model": name,
             "f": f,
@@ -84,9 +87,9 @@ def run_model(name: str, kwargs: dict, method: str, rounds: int, repeats: int) -
         }
         for k in ("ours", "per_block", "sqrt_n"):
             row[k] = {
-                "peak": statistics.median(peaks[k]),
+                "peak": statistics.median(peaks[k]) if peaks[k] else None,
                 "pred": scheds[k].predicted_peak_bytes,
-                "extra": 100 * (med_t[k] / med_t["none"] - 1),
+                "extra": 100 * (med_t[k] / med_t["none"] - 1) if times[k] else None,
                 "method": scheds[k].method,
                 "status": scheds[k].status,
             }
@@ -106,6 +109,10 @@ def table(rows: list[dict]) -> str:
         fits = []
         for k in ("ours", "per_block", "sqrt_n"):
             c = r[k]
+            if c["peak"] is None:
+                cells.append(f"not in place ({c['pred'] / MiB:.1f} predicted)")
+                fits.append(f"{k} n/a")
+                continue
             cells.append(
                 f"{c['peak'] / MiB:.1f} ({c['pred'] / MiB:.1f}), {c['extra']:+.0f}%"
             )

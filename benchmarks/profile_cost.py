@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.profiler import profile  # noqa: E402
+from planner.profiling import profile  # noqa: E402
 from tests.models import TINY  # noqa: E402
 
 

@@ -144,7 +144,7 @@ def _token_batch(batch: int, seq: int, vocab: int, device) -> dict[str, torch.Te
             if str(device) != "meta"
             else torch.zeros(batch, seq, dtype=torch.long)
         )
-    return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
 def gpt2_small(

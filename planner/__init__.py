@@ -1,38 +1,63 @@
 """ckpt-planner: automatic activation checkpointing for PyTorch.
 
-`planner` is the torch side: tracing and profiling models, rewriting them, measuring them. Heavy
-modules are imported on first use, so `ckpt-planner plan` works where torch is not installed.
+`planner` is the torch side: recording a training step (`profile`), planning and applying a
+schedule to the model in place (`plan`, `apply`, `remove`), measuring (`measure`, `compare`).
+Heavy modules are imported on first use, so `ckpt-planner plan` works where torch is not installed.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from planner.api import (
+        InfeasibleBudgetError,
+        Plan,
+        PlanNotEffectiveError,
+        Verification,
+        apply,
+        plan,
+        plan_from_profile,
+        remove,
+    )
+    from planner.capture.record import ModelRunError
+    from planner.comparison import CompareResult, compare
+    from planner.measurement import Measurement, measure
+    from planner.profiling import profile
 
 __all__ = [
+    "CompareResult",
     "InfeasibleBudgetError",
     "Measurement",
+    "ModelRunError",
     "Plan",
     "PlanNotEffectiveError",
-    "TraceError",
+    "Verification",
     "apply",
     "compare",
     "measure",
     "plan",
+    "plan_from_profile",
     "profile",
+    "remove",
 ]
 
 _LAZY = {
-    "profile": "planner.profiler",
+    "profile": "planner.profiling",
     "plan": "planner.api",
+    "plan_from_profile": "planner.api",
     "apply": "planner.api",
+    "remove": "planner.api",
     "Plan": "planner.api",
+    "Verification": "planner.api",
     "InfeasibleBudgetError": "planner.api",
     "PlanNotEffectiveError": "planner.api",
-    "measure": "planner.measure",
+    "ModelRunError": "planner.capture.record",
+    "measure": "planner.measurement",
+    "Measurement": "planner.measurement",
     "compare": "planner.comparison",
-    "Measurement": "planner.measure",
-    "TraceError": "planner.trace",
+    "CompareResult": "planner.comparison",
 }
 
 

@@ -1,18 +1,26 @@
-"""`plan(model, budget_gb=...)`: profile, solve, rewrite; and `apply` for a saved schedule.
+"""`plan(model, budget_gb=...)`: profile, solve, and apply the schedule to the model in place.
 
     >>> p = planner.plan(model, budget_gb=20, example_inputs=batch)   # doctest: +SKIP
     >>> print(p.report()); p.verify()                                   # doctest: +SKIP
-    >>> model = p.module                                                # train as usual
+    >>> assert p.module is model                                        # train as usual
 
-`budget_gb` is GiB (2**30 bytes) of the peak memory of one training step: forward + backward (+ the
-optimizer step when an optimizer is given), parameters and inputs included, as
-`torch.cuda.max_memory_allocated` reports it.
+`budget_gb` is the peak memory of one training step: forward + backward (+ the optimizer step when
+an optimizer is given), parameters and inputs included, as `torch.cuda.max_memory_allocated`
+reports it. A number is GiB (2**30 bytes); a string may carry a unit ("16GB" is 16 * 10**9
+bytes, "500MiB" is 500 * 2**20). The budget holds for every batch no larger in any dimension than
+`example_inputs`: plan with the largest batch and sequence length you will train with.
+
+The plan is put onto the model's own modules (`planner.inplace`): the object, its class,
+parameters, `state_dict` keys and hooks stay as they are, any input shape runs, and
+`planner.remove(model)` takes the plan off. Wrap with DDP, `fully_shard` or `torch.compile`
+after planning, as torchtitan orders activation checkpointing, compile and FSDP.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,14 +28,15 @@ from typing import Any
 
 import torch
 
-from planner.measure import Measurement, measure
-from planner.profiler import ProfiledTrace, profile_with_trace
-from planner.rewrite import PlannedModule, rewrite
-from planner.trace import default_loss, preserved_rng, split_inputs, trace_joint
-from solvers.errors import CkptPlannerError
+from planner.capture.record import default_loss, split_inputs
+from planner.inplace import applied, apply_schedule, remove
+from planner.measurement import Measurement, measure
+from planner.profiling import profile
+from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.profile import Profile
 from solvers.schedule import Schedule
 from solvers.solve import BASELINES, smallest_peak, solve
+from solvers.units import format_bytes, parse_budget
 
 __all__ = [
     "InfeasibleBudgetError",
@@ -36,14 +45,15 @@ __all__ = [
     "Verification",
     "apply",
     "plan",
+    "plan_from_profile",
+    "remove",
+    "verify_against",
 ]
-
-GiB = 2**30
 
 SLACK_BYTES = 8 * 1024
 """Plans are solved for the budget minus this where they can be: a step also allocates a few small
-tensors the profile does not see; measured on the test models, 4 B to 4.5 KiB. Where no plan leaves
-this slack, one that the simulator says fits the budget exactly is taken."""
+tensors the profile does not see. Where no plan leaves this slack, one that the simulator says fits
+the budget exactly is taken."""
 
 
 class InfeasibleBudgetError(CkptPlannerError, ValueError):
@@ -52,10 +62,6 @@ class InfeasibleBudgetError(CkptPlannerError, ValueError):
 
 class PlanNotEffectiveError(CkptPlannerError, RuntimeError):
     """A plan with regions did not lower the measured peak: checkpointing silently did nothing."""
-
-
-def _gib(b: float) -> str:
-    return f"{b / GiB:.3f} GiB" if b >= 0.1 * GiB else f"{b / 2**20:.2f} MiB"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,16 +90,18 @@ class Verification:
 
 @dataclass(kw_only=True)
 class Plan:
-    """A checkpointing plan for one model, input shape and budget."""
+    """A checkpointing plan, applied to the model it was made for."""
 
-    module: PlannedModule
-    """The model, run through its checkpointed graph in training mode (same parameter tensors)."""
+    module: torch.nn.Module
+    """The model the plan was made for, the very object passed to `plan` (now checkpointed)."""
     schedule: Schedule
     profile: Profile
     budget_bytes: int
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     example_inputs: Any = None
     optimizer: torch.optim.Optimizer | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Where `plan` spent its time: ``profile``, ``solve``, ``apply``."""
     _baselines: dict[str, Schedule] = field(default_factory=dict, repr=False)
 
     @property
@@ -118,20 +126,32 @@ class Plan:
         rows = [("plan: " + self.schedule.method, self.schedule)]
         rows += [(m, s) for m, s in self.baselines().items()]
         lines = [
-            f"budget {_gib(self.budget_bytes)}; fixed memory {_gib(p.fixed_bytes)} "
-            f"(params {_gib(p.param_bytes)}, inputs {_gib(p.input_bytes)}, optimizer state "
-            f"{_gib(p.optimizer_state_bytes)}); activations saved without checkpointing "
-            f"{_gib(p.saved_bytes)}; profiled step {p.step_ms:.2f} ms ({p.meta.mode}, "
-            f"{p.meta.device_name})",
+            f"budget {format_bytes(self.budget_bytes)}; fixed memory {format_bytes(p.fixed_bytes)} "
+            f"(params {format_bytes(p.param_bytes)}, inputs {format_bytes(p.input_bytes)}, "
+            f"optimizer state {format_bytes(p.optimizer_state_bytes)}); activations saved "
+            f"without checkpointing {format_bytes(p.saved_bytes)}; profiled step "
+            f"{p.step_ms:.2f} ms ({p.meta.mode}, {p.meta.device_name})",
             f"{'method':<22} {'status':<11} {'peak':>12} {'extra time':>18} {'regions':>8}",
         ]
         for name, s in rows:
             extra = s.predicted_recompute_ms
+            note = "" if all(r.module is not None for r in s.regions) else \
+                "  (segments span several modules: not applicable in place)"
             lines.append(
-                f"{name:<22} {s.status:<11} {_gib(s.predicted_peak_bytes):>12} "
+                f"{name:<22} {s.status:<11} {format_bytes(s.predicted_peak_bytes):>12} "
                 f"{extra:>9.2f} ms {100 * extra / max(p.step_ms, 1e-9):>5.1f}% "
-                f"{len(s.regions):>8}"
+                f"{len(s.regions):>8}{note}"
             )
+        regions = ", ".join(r.module or "(root)" for r in self.schedule.regions) or "none"
+        lines.append(f"checkpointed modules: {regions}")
+        blocked = [c for c in p.calls if c.blocker]
+        if blocked:
+            shown = "; ".join(f"{c.module or '(root)'}: {c.blocker}" for c in blocked[:5])
+            more = f" (and {len(blocked) - 5} more)" if len(blocked) > 5 else ""
+            lines.append(f"modules that cannot be regions: {shown}{more}")
+        if self.seconds:
+            lines.append("planned in " + ", ".join(f"{k} {v:.2f} s"
+                                                   for k, v in self.seconds.items()))
         return "\n".join(lines)
 
     def save(self, path: str | Path) -> Path:
@@ -141,56 +161,92 @@ class Plan:
         self.profile.save(path.with_name(path.stem + ".profile.json.gz"))
         return path
 
+    def remove(self) -> torch.nn.Module:
+        """Take the plan off the model (its modules' own forwards back)."""
+        return remove(self.module)
+
     def verify(self, *, rtol: float = 1e-5, atol: float = 1e-6, repeats: int = 3) -> Verification:
-        """Run the original and the planned module on the example inputs: same loss, same gradients
-        (allclose), measured peak against predicted and against the budget. Raises AssertionError
-        on a mismatch and PlanNotEffectiveError if the plan has regions but the measured peak is not
-        below the unplanned one. The model's parameters, buffers and RNG are left as they were."""
-        model = self.module.model
-        loss_fn = self.loss_fn or default_loss
-        l0, g0 = _one_step(model, self.example_inputs, loss_fn)
-        l1, g1 = _one_step(self.module, self.example_inputs, loss_fn)
-        if not torch.allclose(l0, l1, rtol=rtol, atol=atol):
-            raise AssertionError(f"loss differs: original {l0.item()} vs planned {l1.item()}")
-        worst = 0.0
-        for name, a in g0.items():
-            b = g1.get(name)
-            if b is None:
-                raise AssertionError(f"parameter {name} got no gradient from the planned module")
-            if not torch.allclose(a, b, rtol=rtol, atol=atol):
-                raise AssertionError(f"gradient of {name} differs beyond rtol={rtol}")
-            denom = a.abs().max().item() or 1.0
-            worst = max(worst, (a - b).abs().max().item() / denom)
-        m0 = measure(model, self.example_inputs, loss_fn, repeats=repeats)
-        m1 = measure(self.module, self.example_inputs, loss_fn, repeats=repeats)
-        if self.schedule.regions and m1.peak_bytes >= m0.peak_bytes:
-            raise PlanNotEffectiveError(
-                f"the plan has {len(self.schedule.regions)} checkpointed regions but the measured "
-                f"peak ({_gib(m1.peak_bytes)}) is not below the unplanned one "
-                f"({_gib(m0.peak_bytes)}): checkpointing took no effect"
-            )
-        return Verification(
-            loss_original=l0.item(),
-            loss_planned=l1.item(),
-            max_grad_rel_err=worst,
-            measured_peak_bytes=m1.peak_bytes,
-            predicted_peak_bytes=self.predicted_peak_bytes,
-            budget_bytes=self.budget_bytes,
-            measured_none_peak_bytes=m0.peak_bytes,
-            step_ms_original=m0.step_ms,
-            step_ms_planned=m1.step_ms,
-        )
+        """Run the model without and with the plan on the example inputs: same loss, same
+        gradients (allclose), measured peak against predicted and against the budget. Raises
+        AssertionError on a mismatch and PlanNotEffectiveError if the plan has regions but the
+        measured peak is not below the unplanned one. The model's parameters, buffers and RNG are
+        left as they were, and the plan stays applied."""
+        model = self.module
+        if applied(model) is None or applied(model).schedule is not self.schedule:
+            raise CkptPlannerError("this plan is no longer applied to its model; re-plan")
+
+        @contextlib.contextmanager
+        def unplanned():
+            remove(model)
+            try:
+                yield model
+            finally:
+                apply_schedule(model, self.schedule)
+
+        return verify_against(unplanned, contextlib.nullcontext(model), self.example_inputs,
+                              self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
+                              atol=atol, repeats=repeats)
 
     def measure(self, repeats: int = 5) -> Measurement:
+        """Peak memory and step time of the planned model on the example inputs."""
         return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats)
 
 
-def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn) -> tuple[torch.Tensor, dict]:
-    """Loss and gradients of one step from a fixed seed; parameters, buffers, grads restored."""
+def verify_against(reference: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]]
+                   | contextlib.AbstractContextManager[torch.nn.Module],
+                   planned: contextlib.AbstractContextManager[torch.nn.Module],
+                   example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                   schedule: Schedule, budget_bytes: int, *, rtol: float = 1e-5,
+                   atol: float = 1e-6, repeats: int = 3,
+                   planned_params: torch.nn.Module | None = None) -> Verification:
+    """Compare one training step of the unplanned model (`reference`, a context that yields it)
+    with the planned one (`planned`): loss, gradients, measured peak and time. The planned
+    module's gradients are read from `planned_params` where it wraps the model (graph plans)."""
+    loss_fn = loss_fn or default_loss
+    with (reference() if callable(reference) else reference) as ref:
+        l0, g0 = _one_step(ref, example_inputs, loss_fn)
+        m0 = measure(ref, example_inputs, loss_fn, repeats=repeats)
+    with planned as mod:
+        l1, g1 = _one_step(mod, example_inputs, loss_fn, planned_params)
+        m1 = measure(mod, example_inputs, loss_fn, repeats=repeats)
+    if not torch.allclose(l0, l1, rtol=rtol, atol=atol):
+        raise AssertionError(f"loss differs: original {l0.item()} vs planned {l1.item()}")
+    worst = 0.0
+    for name, a in g0.items():
+        b = g1.get(name)
+        if b is None:
+            raise AssertionError(f"parameter {name} got no gradient from the planned model")
+        if not torch.allclose(a, b, rtol=rtol, atol=atol):
+            raise AssertionError(f"gradient of {name} differs beyond rtol={rtol}")
+        denom = a.abs().max().item() or 1.0
+        worst = max(worst, (a - b).abs().max().item() / denom)
+    if schedule.regions and m1.peak_bytes >= m0.peak_bytes:
+        raise PlanNotEffectiveError(
+            f"the plan has {len(schedule.regions)} checkpointed regions but the measured peak "
+            f"({format_bytes(m1.peak_bytes)}) is not below the unplanned one "
+            f"({format_bytes(m0.peak_bytes)}): checkpointing took no effect"
+        )
+    return Verification(
+        loss_original=l0.item(),
+        loss_planned=l1.item(),
+        max_grad_rel_err=worst,
+        measured_peak_bytes=m1.peak_bytes,
+        predicted_peak_bytes=schedule.predicted_peak_bytes,
+        budget_bytes=budget_bytes,
+        measured_none_peak_bytes=m0.peak_bytes,
+        step_ms_original=m0.step_ms,
+        step_ms_planned=m1.step_ms,
+    )
+
+
+def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
+              owner: torch.nn.Module | None = None) -> tuple[torch.Tensor, dict]:
+    """Loss and gradients (of `owner`'s parameters, by default `module`'s) of one step from a
+    fixed seed; parameters, buffers, grads restored."""
     args, kwargs = split_inputs(example_inputs)
-    owner = module.model if isinstance(module, PlannedModule) else module
+    owner = owner if owner is not None else module
     params = dict(owner.named_parameters())
-    state = copy.deepcopy({k: v.detach() for k, v in module.state_dict().items()})
+    state = copy.deepcopy({k: v.detach() for k, v in owner.state_dict().items()})
     old = {k: p.grad for k, p in params.items()}
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -200,55 +256,72 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn) -> tuple[to
         loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
     with torch.no_grad():
-        for k, v in module.state_dict().items():
+        for k, v in owner.state_dict().items():
             v.copy_(state[k])
     for k, p in params.items():
         p.grad = old[k]
     return loss.detach(), grads
 
 
-def _check_not_wrapped(model: torch.nn.Module) -> None:
+def _check_plannable(model: torch.nn.Module) -> None:
+    """Refuse models whose wrapper or existing checkpointing a plan would silently change."""
+    if not isinstance(model, torch.nn.Module):
+        raise CkptPlannerError(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    cls = type(model).__name__
+    if cls == "OptimizedModule":
+        raise CkptPlannerError(
+            "the model is already wrapped by torch.compile; plan the model first and compile "
+            "after: plan(model, ...), then torch.compile(model) (or block.compile() per block)"
+        )
+    if cls in ("DistributedDataParallel", "DataParallel"):
+        raise CkptPlannerError(
+            f"the model is wrapped in {cls}; plan the module inside it before wrapping: "
+            f"plan(model, ...), then {cls}(model). (Planning model.module in place also works: "
+            "the wrapper's hooks are untouched.)"
+        )
+    if any(type(m).__name__.startswith("FSDP") for m in model.modules()):
+        raise CkptPlannerError(
+            "the model is already sharded with FSDP; apply the plan before fully_shard, as "
+            "torchtitan orders activation checkpointing and FSDP"
+        )
     flag = getattr(model, "is_activation_checkpointing", None)
     if flag is None:
         flag = getattr(model, "is_gradient_checkpointing", False)
     if flag:
         raise CkptPlannerError(
-            f"{type(model).__name__} has HF gradient checkpointing enabled; ckpt-planner places "
-            "checkpoints itself. Call model.gradient_checkpointing_disable() before planning."
+            f"{cls} has HF gradient checkpointing enabled; ckpt-planner places checkpoints "
+            "itself. Call model.gradient_checkpointing_disable() before planning."
         )
     for name, m in model.named_modules():
-        cls = type(m).__name__
-        if cls in ("CheckpointWrapper", "PlannedModule") or getattr(m, "_checkpoint_wrapped", 0):
+        mcls = type(m).__name__
+        if mcls == "CheckpointWrapper" or getattr(m, "_checkpoint_wrapped", 0):
             raise CkptPlannerError(
-                f"module {name or '(root)'} is already wrapped for checkpointing ({cls}); plan the "
-                "unwrapped model (remove checkpoint_wrapper / use the original module)"
+                f"module {name or '(root)'} is already wrapped for checkpointing ({mcls}); plan "
+                "the unwrapped model (remove checkpoint_wrapper)"
             )
-
-
-def _budget(budget_gb: float | None, budget_bytes: int | None) -> int:
-    if (budget_gb is None) == (budget_bytes is None):
-        raise ValueError("give exactly one of budget_gb (GiB) or budget_bytes")
-    b = int(budget_gb * GiB) if budget_gb is not None else int(budget_bytes)
-    if b <= 0:
-        raise ValueError(f"the budget must be positive, got {b} bytes")
-    return b
+        if getattr(m, "gradient_checkpointing", False) is True:
+            raise CkptPlannerError(
+                f"module {name or '(root)'} has HF gradient checkpointing on; call "
+                "model.gradient_checkpointing_disable() before planning"
+            )
 
 
 def _infeasible(profile: Profile, budget: int, schedule: Schedule) -> InfeasibleBudgetError:
     least = schedule.min_peak_bytes or smallest_peak(profile)
     by_module = profile.saved_bytes_by_module()
     top = sorted(by_module.items(), key=lambda kv: -kv[1])[:3]
-    tops = ", ".join(f"{m or '(top level)'} {_gib(b)}" for m, b in top)
+    tops = ", ".join(f"{m or '(top level)'} {format_bytes(b)}" for m, b in top)
     return InfeasibleBudgetError(
-        f"budget {_gib(budget)} is below the smallest achievable peak for this model and batch"
-        f" ({_gib(least)}, of which {_gib(profile.fixed_bytes)} is parameters, buffers, inputs and "
-        f"optimizer state; largest activations: {tops}); raise the budget or lower the batch size"
+        f"budget {format_bytes(budget)} is below the smallest achievable peak for this model and "
+        f"batch ({format_bytes(least)}, of which {format_bytes(profile.fixed_bytes)} is "
+        f"parameters, buffers, inputs and optimizer state; largest activations: {tops}); raise "
+        "the budget or lower the batch size"
     )
 
 
 def plan(
     model: torch.nn.Module,
-    budget_gb: float | None = None,
+    budget_gb: float | str | None = None,
     *,
     example_inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -259,76 +332,78 @@ def plan(
     repeats: int = 3,
     progress: bool = False,
 ) -> Plan:
-    """Plan activation checkpointing for `model` so that a training step fits the budget.
+    """Plan activation checkpointing for `model` so that a training step fits the budget, and
+    apply the plan to the model in place.
 
     Args:
-        model: an eager model in training mode; not modified.
-        budget_gb: peak memory of one training step in GiB (or pass `budget_bytes`).
-        example_inputs: a tensor, a tuple of positional args or a dict of kwargs, of the shapes
-            you will train with (the plan is specific to them).
-        loss_fn: output -> scalar loss; default ``output.loss`` or the mean of the output.
+        model: the model you train, in training mode. If a plan is already applied, it is removed
+            and the model planned again.
+        budget_gb: peak memory of one training step: GiB as a number, or a string with a unit
+            ("24GiB", "16GB"); or pass `budget_bytes`.
+        example_inputs: a tensor, a tuple of positional args or a dict of kwargs: the largest batch
+            you will train with (the budget holds for every batch no larger).
+        loss_fn: output -> scalar loss; default ``output.loss`` or the mean of the output. To use
+            targets, close over them: ``loss_fn=lambda out: F.cross_entropy(out, targets)``.
         optimizer: include its state and step in the budget.
         method: a name from `solvers.available_methods()`; ``auto`` takes the best.
 
     Raises:
         InfeasibleBudgetError: naming the smallest achievable peak and the largest activations.
-        TraceError: the model cannot be traced (names the module and op).
+        ModelRunError: the model's own training step raised (the message names the module).
     """
-    budget = _budget(budget_gb, budget_bytes)
-    _check_not_wrapped(model)
+    if (budget_gb is None) == (budget_bytes is None):
+        raise CkptPlannerError("give exactly one of budget_gb (e.g. 8, '8GiB') or budget_bytes")
+    budget = parse_budget(budget_gb) if budget_gb is not None else \
+        parse_budget(budget_bytes, name="budget_bytes", unit=1)
+    _check_plannable(model)
+    if applied(model) is not None:
+        remove(model)
     if not model.training:
         raise CkptPlannerError(
             "the model is in eval mode; checkpointing is for training: call model.train() first"
         )
-    pt: ProfiledTrace = profile_with_trace(
-        model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats,
-        progress=progress,
-    )
-    return _plan_from(model, pt, budget, example_inputs, loss_fn, optimizer, method, time_limit_s)
+    t0 = time.perf_counter()
+    prof = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats,
+                   progress=progress)
+    p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
+                          time_limit_s=time_limit_s)
+    p.loss_fn, p.example_inputs, p.optimizer = loss_fn, example_inputs, optimizer
+    p.seconds = {"profile": time.perf_counter() - t0, **p.seconds}
+    return p
 
 
-def _plan_from(model, pt, budget, example_inputs, loss_fn, optimizer, method, time_limit_s):
-    schedule = solve(pt.profile, budget - SLACK_BYTES, method=method, time_limit_s=time_limit_s)
+def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes: int,
+                      method: str = "auto", time_limit_s: float | None = None) -> Plan:
+    """Solve `profile` (recorded from `model`) for `budget_bytes` and apply the schedule to
+    `model` in place. Leaves `SLACK_BYTES` of the budget unused where a plan can."""
+    t0 = time.perf_counter()
+    schedule = solve(profile, budget_bytes - SLACK_BYTES, method=method,
+                     time_limit_s=time_limit_s)
     if not schedule.feasible:
         # No plan leaves the slack: take one the simulator says fits exactly (its measured peak
         # may then exceed the budget by the few unprofiled bytes SLACK_BYTES is there for).
-        exact = solve(pt.profile, budget, method=method, time_limit_s=time_limit_s)
+        exact = solve(profile, budget_bytes, method=method, time_limit_s=time_limit_s)
         if exact.feasible:
-            schedule = dataclasses.replace(exact, stats={**exact.stats, "slack_bytes": 0})
+            schedule = exact
+    t1 = time.perf_counter()
     if not schedule.feasible:
-        raise _infeasible(pt.profile, budget, schedule)
-    module = PlannedModule(model, pt.trace, rewrite(pt.trace, schedule))
-    return Plan(
-        module=module,
-        schedule=schedule,
-        profile=pt.profile,
-        budget_bytes=budget,
-        loss_fn=loss_fn,
-        example_inputs=example_inputs,
-        optimizer=optimizer,
-    )
+        raise _infeasible(profile, budget_bytes, schedule)
+    apply_schedule(model, schedule)
+    return Plan(module=model, schedule=schedule, profile=profile, budget_bytes=budget_bytes,
+                seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
 
 
-def apply(
-    model: torch.nn.Module,
-    schedule: Schedule | str | Path,
-    example_inputs: Any,
-    *,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-) -> PlannedModule:
-    """Rebuild the checkpointed module from a saved schedule (e.g. planned offline for this GPU).
+def apply(model: torch.nn.Module, schedule: Schedule | str | Path) -> torch.nn.Module:
+    """Apply a saved schedule (e.g. planned offline for this GPU) to `model` in place.
 
-    The model is traced again on `example_inputs` (no timing); the schedule's node names must exist
-    in the new trace, which holds for the same model code, input shapes and torch version.
-    """
+    The schedule names the modules it checkpoints; a schedule made for another model is refused
+    with the modules this one lacks. Returns `model` itself."""
     if not isinstance(schedule, Schedule):
         schedule = Schedule.load(schedule)
-    _check_not_wrapped(model)
-    args, kwargs = split_inputs(example_inputs)
-    with preserved_rng():
-        trace = trace_joint(
-            model, args, kwargs, loss_fn=loss_fn,
-            buffers={k: v.clone() for k, v in model.named_buffers()},
-        )
-    # rewrite raises ScheduleError naming any node of the schedule that is not in this trace
-    return PlannedModule(model, trace, rewrite(trace, schedule))
+    if not schedule.feasible:
+        raise ScheduleError(f"the schedule's status is {schedule.status!r}: it does not fit its "
+                            "budget; re-plan with a larger budget")
+    _check_plannable(model)
+    if applied(model) is not None:
+        remove(model)
+    return apply_schedule(model, schedule)

@@ -36,7 +36,7 @@ def _load_spec(spec: str) -> tuple[Any, Any]:
     """Call the function named by ``module:function`` and return its ``(model, example_inputs)``."""
     expected = (
         "expected SPEC as 'module:function', where module is importable from the current "
-        "directory and function() returns (model, example_inputs), e.g. tests.models:gpt2_tiny"
+        "directory and function() returns (model, example_inputs), e.g. tests.models:hf_gpt2"
     )
     module_name, sep, func_name = spec.partition(":")
     if not sep or not module_name or not func_name:
@@ -66,7 +66,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     except _SpecError as e:
         print(f"ckpt-planner profile: {e}", file=sys.stderr)
         return 2
-    from planner.profiler import profile  # imports torch
+    from planner.profiling import profile  # imports torch
 
     prof = profile(
         model,
@@ -153,11 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("profile", help="trace and profile a model; save the profile as JSON")
+    p = sub.add_parser("profile", help="record one training step of a model; save the profile")
     p.add_argument(
         "spec",
         metavar="SPEC",
-        help="module:function returning (model, example_inputs), e.g. tests.models:gpt2_tiny",
+        help="module:function returning (model, example_inputs), e.g. tests.models:hf_gpt2",
     )
     p.add_argument("-o", "--output", required=True, help="output path (.json or .json.gz)")
     p.add_argument(

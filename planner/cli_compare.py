@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile backend(s), comma-separated: aot_eager (default), "
                              "inductor (needs a C++ compiler on CPU), or aot_eager,inductor")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile entries")
+    parser.add_argument("--graph", action="store_true",
+                        help="also measure make_fx graph plans (op-granular regions) where the "
+                             "model traces, and baselines that cannot be applied in place")
     parser.add_argument("--name", default=None, help="model name in the table and plot")
     parser.add_argument("-o", "--output", default="compare_out", help="output folder")
 
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         compile_budgets=args.compile_budgets,
         include_compile=not args.no_compile,
         compile_backend=args.compile_backend,
+        graph=args.graph,
         progress=True,
         name=args.name or args.spec.partition(":")[2] or None,
     )

@@ -35,12 +35,14 @@ from typing import Any
 
 import torch
 
-from planner.api import InfeasibleBudgetError, _plan_from
-from planner.measure import measure
-from planner.profiler import profile_with_trace
-from planner.rewrite import PlannedModule, rewrite
+from planner.api import SLACK_BYTES, InfeasibleBudgetError
+from planner.inplace import applied, apply_schedule, remove
+from planner.measurement import measure
+from planner.profiling import profile
+from solvers.errors import CkptPlannerError
 from solvers.profile import Profile
-from solvers.solve import BASELINES, smallest_peak, solve
+from solvers.schedule import Schedule
+from solvers.solve import BASELINES, applicable, smallest_peak, solve
 
 __all__ = ["CompareResult", "Row", "compare"]
 
@@ -394,29 +396,51 @@ def _compile_backend(budget: float, backend: str):
 
 
 class _Entry:
-    def __init__(self, row: Row, module: torch.nn.Module | None, budget: float | None = None):
+    """One strategy to measure: a module to call, and a schedule applied to the user's model in
+    place around each measurement (in-place plans and baselines), or a torch.compile budget."""
+
+    def __init__(self, row: Row, module: torch.nn.Module | None, *,
+                 schedule: Schedule | None = None, budget: float | None = None):
         self.row = row
         self.module = module
+        self.schedule = schedule
         self.compile_budget = budget
         self.peaks: list[int] = []
         self.samples: list[float] = []
         self.alias: _Entry | None = None  # same schedule as another entry: share its measurement
 
 
-def _measure_entry(e: _Entry, example_inputs, loss_fn, inner: int) -> None:
+def _measure_entry(e: _Entry, model: torch.nn.Module, example_inputs, loss_fn,
+                   inner: int) -> None:
     import torch._functorch.config as fc
 
-    if e.compile_budget is not None:
-        with fc.patch(activation_memory_budget=e.compile_budget):
+    if e.schedule is not None:
+        apply_schedule(model, e.schedule)
+    try:
+        if e.compile_budget is not None:
+            with fc.patch(activation_memory_budget=e.compile_budget):
+                m = measure(e.module, example_inputs, loss_fn, repeats=inner)
+        else:
             m = measure(e.module, example_inputs, loss_fn, repeats=inner)
-    else:
-        m = measure(e.module, example_inputs, loss_fn, repeats=inner)
+    finally:
+        if e.schedule is not None:
+            remove(model)
     e.peaks.append(m.peak_bytes)
     e.samples.extend(m.step_ms_all)
 
 
 def _schedule_key(s) -> tuple:
     return tuple((r.start, r.end, tuple(sorted(r.saved))) for r in s.regions)
+
+
+def _solve_with_slack(prof: Profile, budget: int, time_limit_s: float | None) -> Schedule:
+    """What `planner.plan` would apply at `budget` (slack kept where a plan can keep it)."""
+    s = solve(prof, budget - SLACK_BYTES, "auto", time_limit_s)
+    if not s.feasible:
+        exact = solve(prof, budget, "auto", time_limit_s)
+        if exact.feasible:
+            return exact
+    return s
 
 
 def compare(
@@ -431,6 +455,7 @@ def compare(
     compile_backend: str | Sequence[str] = "aot_eager",
     eager_attention: bool | None = None,
     iso: bool = True,
+    graph: bool = False,
     inner_repeats: int = 2,
     time_limit_s: float | None = 30.0,
     profile_repeats: int = 2,
@@ -439,8 +464,11 @@ def compare(
 ) -> CompareResult:
     """Measure no checkpointing, the baselines, torch.compile's activation budget and our plans.
 
+    Our plans and the baselines are applied to `model` in place for their measurements and taken
+    off again; the model is left as it was.
+
     Args:
-        model: an eager model in training mode (not modified: measuring restores its state).
+        model: an eager model in training mode, with no plan applied.
         example_inputs: a tensor, a tuple of positional args or a dict of kwargs.
         fractions: activation-budget fractions for our sweep: budget = F + f * (N - F).
         repeats: round-robin rounds; every round measures every strategy once
@@ -450,9 +478,12 @@ def compare(
         compile_backend: ``aot_eager`` (default), ``inductor`` (needs a C++ compiler on CPU), or
             a sequence of backends, each measured at every budget. aot_eager rows are named
             ``compile(b)``, other backends' ``<backend>(b)``.
-        eager_attention: evaluate the eager-attention target; None detects it from the graph
+        eager_attention: evaluate the eager-attention target; None detects it from the profile
             (softmax and batched matmuls, no SDPA).
         iso: also plan ours at each baseline's measured peak (iso-memory).
+        graph: also trace the model with make_fx (`planner.graph`, where it traces) and measure
+            its op-granular plans at the same fractions (rows ``graph@f``), and the baselines
+            whose segments span several modules, which cannot be applied in place.
         time_limit_s: per solve of ours (``auto`` runs every solver, the ILP included).
         progress: print progress lines to stderr.
     """
@@ -461,24 +492,39 @@ def compare(
     backends = (compile_backend,) if isinstance(compile_backend, str) else tuple(compile_backend)
     if include_compile and not backends:
         raise ValueError("compile_backend names no backend; pass include_compile=False instead")
+    if applied(model) is not None:
+        raise CkptPlannerError("compare measures the model without a plan applied; call "
+                               "planner.remove(model) first")
     fractions = tuple(fractions)
     t_start = time.perf_counter()
     say(f"{name}: profiling")
-    pt = profile_with_trace(model, example_inputs, loss_fn=loss_fn, repeats=profile_repeats)
-    prof = pt.profile
+    prof = profile(model, example_inputs, loss_fn=loss_fn, repeats=profile_repeats)
     eager = _eager_attention(prof) if eager_attention is None else eager_attention
+    gpt = None
+    if graph:
+        say(f"{name}: tracing with make_fx for the graph plans")
+        try:
+            from planner.graph.profiler import profile_with_trace
+
+            gpt = profile_with_trace(model, example_inputs, loss_fn=loss_fn,
+                                     repeats=profile_repeats)
+        except Exception as ex:  # noqa: BLE001 - the graph path is optional; record why
+            say(f"make_fx tracing failed ({type(ex).__name__}): graph rows left out")
 
     entries: list[_Entry] = []
 
-    def add(row: Row, module, budget: float | None = None) -> _Entry:
-        e = _Entry(row, module, budget)
+    def add(row: Row, module, **kw) -> _Entry:
+        e = _Entry(row, module, **kw)
         entries.append(e)
         return e
+
+    def measure_entry(e: _Entry) -> None:
+        _measure_entry(e, model, example_inputs, loss_fn, inner_repeats)
 
     # none first: its measured peak sets the budgets
     none = add(Row(strategy="none", kind="none", method="none", regions=0), model)
     say("measuring none (sets the budgets)")
-    _measure_entry(none, example_inputs, loss_fn, inner_repeats)
+    measure_entry(none)
     N = none.peaks[0]
     F = prof.fixed_bytes
     none.row.predicted_peak_bytes = solve(prof, 2**62, "none").predicted_peak_bytes
@@ -491,7 +537,7 @@ def compare(
     say(f"N = {N / MiB:.2f} MiB, F = {F / MiB:.2f} MiB; budgets "
         + ", ".join(f"{f:g}x {b / MiB:.2f} MiB" for f, b in budgets.items()))
 
-    # baselines
+    # baselines: in place where their regions are module calls, else through the graph rewriter
     built: dict[tuple, _Entry] = {}
     for m in BASELINES:
         if m == "none":
@@ -501,14 +547,25 @@ def compare(
         row = Row(strategy=m, kind="baseline", budget_bytes=budget, method=m,
                   predicted_peak_bytes=s.predicted_peak_bytes, regions=len(s.regions),
                   predicted_extra_pct=_pred_pct(s, prof))
+        if applicable(s):
+            built.setdefault(_schedule_key(s), add(row, model, schedule=s))
+            continue
+        if gpt is None:
+            row.status = ("not applicable in place: its segments span several module calls"
+                          + ("" if graph else " (graph=True measures it through make_fx)"))
+            add(row, None)
+            continue
         try:
-            mod = PlannedModule(model, pt.trace, rewrite(pt.trace, s))
+            from planner.graph.rewrite import PlannedModule, rewrite
+
+            gs = solve(gpt.profile, budget if budget is not None else 2**62, m)
+            row.strategy = f"{m} (graph)"
+            row.predicted_peak_bytes = gs.predicted_peak_bytes
+            row.predicted_extra_pct = _pred_pct(gs, gpt.profile)
+            add(row, PlannedModule(model, gpt.trace, rewrite(gpt.trace, gs)))
         except Exception as ex:  # noqa: BLE001 - record, do not crash
             row.status = f"error: {type(ex).__name__}: {ex}"[:200]
             add(row, None)
-            continue
-        e = add(row, mod)
-        built.setdefault(_schedule_key(s), e)
 
     # torch.compile with activation_memory_budget
     if include_compile:
@@ -530,7 +587,7 @@ def compare(
                         row.status = f"error: {type(ex).__name__}: {ex}"[:200]
                         add(row, None)
                         continue
-                    add(row, cm, b)
+                    add(row, cm, budget=b)
 
     # round 1 of the anchors: compiles, and gives the measured peaks the iso plans need
     for e in entries[1:]:
@@ -538,7 +595,7 @@ def compare(
             continue
         say(f"round 1/{repeats}: {e.row.strategy}")
         try:
-            _measure_entry(e, example_inputs, loss_fn, inner_repeats)
+            measure_entry(e)
         except Exception as ex:  # noqa: BLE001
             e.row.status = f"error: {type(ex).__name__}: {ex}"[:200]
             e.module = None
@@ -557,31 +614,28 @@ def compare(
             e.alias = (prev.alias or prev) if prev.row.status == "ok" else None
             return
         try:
-            p = _plan_from(model, pt, budget, example_inputs, loss_fn, None, "auto",
-                           time_limit_s)
-        except InfeasibleBudgetError:
-            s = solve(prof, budget, "auto", time_limit_s)
+            s = _solve_with_slack(prof, budget, time_limit_s)
+        except Exception as ex:  # noqa: BLE001
+            row.status = f"error: {type(ex).__name__}: {ex}"[:200]
+            add(row, None)
+            return
+        if not s.feasible:
             least = s.min_peak_bytes or smallest_peak(prof)
             row.status = f"does not fit (smallest peak {least / MiB:.2f} MiB)"
             row.predicted_peak_bytes = least
             row.fits = False
             by_budget[budget] = add(row, None)
             return
-        except Exception as ex:  # noqa: BLE001
-            row.status = f"error: {type(ex).__name__}: {ex}"[:200]
-            add(row, None)
-            return
-        s = p.schedule
         row.method = s.method
         row.predicted_peak_bytes = s.predicted_peak_bytes
         row.predicted_extra_pct = _pred_pct(s, prof)
         row.regions = len(s.regions)
-        e = add(row, p.module)
+        e = add(row, model, schedule=s)
         by_budget[budget] = e
         key = _schedule_key(s)
         if key in built:
             e.alias = built[key]
-            e.module = None
+            e.module = e.schedule = None
         else:
             built[key] = e
 
@@ -594,10 +648,32 @@ def compare(
         say(f"planning ours at {f:g}x")
         plan_at(Row(strategy=f"ours@{f:g}", kind="ours_sweep", budget_bytes=budgets[f],
                     fraction=f), budgets[f])
+    if gpt is not None:
+        from planner.graph.api import plan_from_trace
+
+        for f in plan_fractions:
+            row = Row(strategy=f"graph@{f:g}", kind="graph_sweep", budget_bytes=budgets[f],
+                      fraction=f)
+            try:
+                gp = plan_from_trace(model, gpt, budgets[f], time_limit_s=time_limit_s)
+            except InfeasibleBudgetError:
+                row.status = "does not fit"
+                row.fits = False
+                add(row, None)
+                continue
+            except Exception as ex:  # noqa: BLE001
+                row.status = f"error: {type(ex).__name__}: {ex}"[:200]
+                add(row, None)
+                continue
+            row.method = gp.schedule.method
+            row.predicted_peak_bytes = gp.schedule.predicted_peak_bytes
+            row.predicted_extra_pct = _pred_pct(gp.schedule, gpt.profile)
+            row.regions = len(gp.schedule.regions)
+            add(row, gp.module)
     for e in entries:
-        if e.row.kind.startswith("ours") and e.module is not None:
+        if e.row.kind in ("ours_iso", "ours_sweep", "graph_sweep") and e.module is not None:
             say(f"round 1/{repeats}: {e.row.strategy}")
-            _measure_entry(e, example_inputs, loss_fn, inner_repeats)
+            measure_entry(e)
 
     # rounds 2..repeats: every strategy once per round, in turn
     for k in range(2, repeats + 1):
@@ -606,7 +682,7 @@ def compare(
                 continue
             say(f"round {k}/{repeats}: {e.row.strategy}")
             try:
-                _measure_entry(e, example_inputs, loss_fn, inner_repeats)
+                measure_entry(e)
             except Exception as ex:  # noqa: BLE001
                 e.row.status = f"error in round {k}: {type(ex).__name__}: {ex}"[:200]
 

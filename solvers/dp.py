@@ -40,6 +40,7 @@ import numpy as np
 
 from solvers.baselines import _is_matmul, region
 from solvers.candidates import cut_points
+from solvers.chain import bind, in_place, useful_calls
 from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
 from solvers.simulate import graph_index, simulate
@@ -73,6 +74,13 @@ class ChainModel:
     """(K1, K1, 3) bytes while the segment's backward runs."""
     has_mm: np.ndarray
     """(K1, K1) the segment holds a matmul-class op (selective is a distinct option)."""
+    into: list[list[int]] | None = None
+    """For a recorded profile: into[j] lists the cuts i for which segment (i, j) is a module call
+    that can be checkpointed (the only segments a plan applied in place can checkpoint). None:
+    every segment can (a traced profile's node ranges)."""
+
+    def checkpointable(self, i: int, j: int) -> bool:
+        return self.into is None or i in self.into[j]
 
 
 def chain_model(profile: Profile) -> ChainModel:
@@ -83,8 +91,18 @@ def chain_model(profile: Profile) -> ChainModel:
     g = graph_index(profile)
     fwd = g.forward
     n = len(fwd)
-    cuts = [-1, *sorted({g.fwd_pos[i] for i in cut_points(profile, matmul_cuts=True)}
-                     - {n - 1}), n - 1]
+    into = None
+    if in_place(profile):
+        spans = useful_calls(profile)
+        inner = {s.a - 1 for s in spans} | {s.b for s in spans}
+        cuts = [-1, *sorted(inner - {-1, n - 1}), n - 1]
+        at = {c: q for q, c in enumerate(cuts)}
+        into = [[] for _ in cuts]
+        for s in spans:
+            into[at[s.b]].append(at[s.a - 1])
+    else:
+        cuts = [-1, *sorted({g.fwd_pos[i] for i in cut_points(profile, matmul_cuts=True)}
+                         - {n - 1}), n - 1]
     k1 = len(cuts)
     starts = np.array([c + 1 for c in cuts])
     ends = np.array(cuts)
@@ -188,7 +206,7 @@ def chain_model(profile: Profile) -> ChainModel:
     own[:, :, SEL] = add[:, :, SEL] + hold_nm2
     has_mm = (mmcum[b_ + 1] - mmcum[a_]) > 0
     g_bytes = simulate(profile).peak_bytes - int(q1cum[-1])
-    model = ChainModel(cuts, g_bytes, time, add, own, has_mm)
+    model = ChainModel(cuts, g_bytes, time, add, own, has_mm, into)
     object.__setattr__(profile, "_chain_model", model)
     return model
 
@@ -210,13 +228,16 @@ def _solve_chain(m: ChainModel, budget_bytes: float, buckets: int = MEMORY_BUCKE
     times = m.time.tolist()
     for j in range(1, k1):
         cj, pj = cost[j], par[j]
-        for i in range(j):
+        sources = range(j) if m.into is None else sorted({j - 1, *m.into[j]})
+        for i in sources:
             lo = first[i]
             if lo > buckets:
                 continue
             for typ in (KEEP, CKPT, SEL):
                 if typ == KEEP and i != j - 1:
                     continue  # kept segments compose additively: one cut at a time suffices
+                if typ != KEEP and not m.checkpointable(i, j):
+                    continue
                 if typ == SEL and not m.has_mm[i, j]:
                     continue
                 o, ad = int(own_u[i, j, typ]), int(add_u[i, j, typ])
@@ -267,11 +288,17 @@ def _regions(profile: Profile, m: ChainModel, plan) -> tuple[Region, ...]:
 
 
 def _incumbents(profile: Profile, budget_bytes: int) -> list[tuple[str, tuple[Region, ...]]]:
-    return [
-        (name, METHODS[name](profile, budget_bytes, None).regions)
-        for name in BASELINES
-        if name in METHODS
-    ]
+    """The baselines' schedules that a plan of this profile could be (on a recorded profile,
+    those whose regions are all module calls)."""
+    out = []
+    for name in BASELINES:
+        if name not in METHODS:
+            continue
+        regs = METHODS[name](profile, budget_bytes, None).regions
+        if in_place(profile) and any(r.module is None for r in bind(profile, regs)):
+            continue
+        out.append((name, regs))
+    return out
 
 
 GRID_POINTS = 24

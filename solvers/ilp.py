@@ -192,10 +192,10 @@ class _Chain:
         for i in range(self.n_pts - 1):
             for j in range(i + 1, self.n_pts):
                 oi, oj = pts[i], pts[j]
-                types = [CKPT]
+                types = [CKPT] if m.checkpointable(oi, oj) else []
                 if j == i + 1:
                     types.append(KEEP)
-                elif m.has_mm[oi, oj]:
+                elif types and m.has_mm[oi, oj]:
                     types.append(SEL)
                 for t in types:
                     yield i, j, t, float(m.time[oi, oj, t]), m.add[oi, oj, t] / MIB, \

@@ -1,15 +1,18 @@
 """The Profile: a torch-free record of one training step's joint (forward + backward) graph.
 
-A profile is what the planner knows about a model. It is recorded by `planner.profile` from an
-aten-level `make_fx` trace of forward, loss and `torch.autograd.grad`, and it is plain data: it can be
-saved on a GPU box and planned anywhere, with no torch installed.
+A profile is what the planner knows about a model. `planner.profile` records it by running one real
+training step of the model (forward, loss, backward) and watching every aten op it dispatches; it is
+plain data: it can be saved on a GPU box and planned anywhere, with no torch installed.
 
 Memory is described at the level of storages, because that is what an allocator sees: views and
 in-place ops create no storage, and one storage may be read through many nodes. Every node names the
 storage its output lives in (`storage`) and the storages it allocates (`new_storages`); a forward node
-lists the storages its autograd node saved for backward (`saves`), which the trace shows exactly as
-the forward values that its backward ops read; a backward node names the forward node whose
-autograd node ran it (`grad_of`).
+lists the storages its autograd node saved for backward (`saves`); a backward node names the forward
+node whose autograd node ran it (`grad_of`); a node lists the storages whose last reference the
+model's own code dropped right after it ran (`releases`: autograd's saved copies do not count).
+
+`calls` lists every call of a module's `forward` as a span of forward nodes: the regions a plan
+applied to the model's own modules can checkpoint.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from typing import Any
 
 from solvers.errors import ProfileError
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "PHASES", "Node", "ProfileMeta", "Profile"]
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "PHASES", "ModuleCall", "Node", "ProfileMeta", "Profile"]
 
 SCHEMA = "ckpt-planner/profile"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 1 profiles (from the make_fx tracer) have no `calls` and no `releases`; they still plan
+offline with node-range regions."""
 
 # Order of phases in a trace. "param", "buffer" and "input" nodes are placeholders (fixed memory);
 # "forward" nodes are the model's forward (the only ones a schedule may checkpoint); "loss" nodes turn
@@ -71,6 +77,35 @@ class Node:
     """The op draws from the RNG (dropout): replaying it needs the RNG state restored."""
     mutates_buffer: bool = False
     """The op updates a module buffer in place (BatchNorm running statistics)."""
+    releases: tuple[int, ...] = ()
+    """Storages whose last reference held by the model's code (not by autograd) died right after
+    this node ran. A storage no node releases dies after its last reader."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleCall:
+    """One call of a module's `forward` during the step: a span of forward nodes."""
+
+    module: str
+    """Dotted module path (``model.layers.3.self_attn``); "" is the root module."""
+    start: str
+    """First forward node of the call."""
+    end: str
+    """Last forward node of the call (inclusive)."""
+    blocker: str = ""
+    """Why this call cannot be a checkpointed region ("" when it can), e.g. an op whose output
+    shape depends on tensor values, an in-place write to a tensor made before the call, or a
+    module called more than once in the step."""
+    buffers: tuple[str, ...] = ()
+    """Buffers the call updates in place (BatchNorm running statistics), by dotted name."""
+    holds: tuple[int, ...] = ()
+    """Storages the call's arguments reach when forward ends, beyond what its ops read (a KV
+    cache passed to every layer holds what later layers add): a checkpointed region keeps its
+    arguments, so these live until the region's backward."""
+    children: tuple[str, ...] = ()
+    """For a module whose forward is `torch.nn.Sequential`'s (each child's output is the next
+    child's input, nothing in between): its children's names, in order. Any run of consecutive
+    children can then be one region (`checkpoint_sequential`'s segments)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +133,10 @@ class ProfileMeta:
     checkpoint_selective_op_ms: float = 0.0
     """Host time per op of a selective region (its dispatch mode sees every op in forward and in
     the replay), calibrated likewise and on the model's own forward (the larger of the two)."""
+    capture: str = "graph"
+    """How the step was captured: ``run`` (`planner.profile` ran one real step; regions are module
+    calls, applied to the model in place) or ``graph`` (a traced graph, version 1 profiles, or a
+    profile built by hand; regions are any node ranges)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +159,8 @@ class Profile:
     """Optimizer state held between steps (Adam: two fp32 tensors per trainable parameter)."""
     optimizer_step_bytes: int = 0
     """Transient bytes the optimizer's step allocates on top of its state."""
+    calls: tuple[ModuleCall, ...] = ()
+    """Every module `forward` call of the step, in order of their first node (outer first)."""
     meta: ProfileMeta = field(default_factory=ProfileMeta)
     schema_version: int = SCHEMA_VERSION
 
@@ -214,6 +255,11 @@ class Profile:
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "optimizer_step_bytes": self.optimizer_step_bytes,
             "storage_bytes": list(self.storage_bytes),
+            "calls": [
+                {k: (list(v) if isinstance(v, tuple) else v)
+                 for k, v in dataclasses.asdict(c).items() if k in ("module", "start", "end") or v}
+                for c in self.calls
+            ],
             "nodes": nodes,
         }
 
@@ -227,10 +273,11 @@ class Profile:
                 "is this a ckpt-planner profile?"
             )
         version = d.get("schema_version")
-        if isinstance(version, bool) or version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise ProfileError(
                 f"{source}: schema_version {version!r} is not supported (this ckpt-planner reads "
-                f"version {SCHEMA_VERSION}); re-record the profile with `ckpt-planner profile`"
+                f"versions {', '.join(map(str, READABLE_VERSIONS))}); re-record the profile with "
+                "`ckpt-planner profile`"
             )
         for key in ("nodes", "storage_bytes"):
             if key not in d:
@@ -255,7 +302,7 @@ class Profile:
                     f"{source}: nodes[{i}] ({nd['name']!r}) has unknown fields {sorted(unknown)}"
                 )
             kw = {k: tuple(v) if isinstance(v, list) else v for k, v in nd.items()}
-            for key in ("inputs", "new_storages", "saves"):
+            for key in ("inputs", "new_storages", "saves", "releases"):
                 if key in kw and not isinstance(kw[key], tuple):
                     raise ProfileError(
                         f"{source}: nodes[{i}] ({nd['name']!r}): field {key!r} is "
@@ -265,12 +312,29 @@ class Profile:
                 nodes.append(Node(**kw))
             except TypeError as e:
                 raise ProfileError(f"{source}: nodes[{i}]: {e}") from None
-        meta_d = d.get("meta", {})
+        meta_d = dict(d.get("meta", {}))
+        if version == 1:
+            meta_d.setdefault("capture", "graph")
         meta_known = {f.name for f in dataclasses.fields(ProfileMeta)}
         try:
             meta = ProfileMeta(**{k: v for k, v in meta_d.items() if k in meta_known})
         except TypeError as e:
             raise ProfileError(f"{source}: meta: {e}") from None
+        calls_d = d.get("calls", [])
+        if not isinstance(calls_d, list):
+            raise ProfileError(f"{source}: field 'calls' is not a list")
+        calls = []
+        call_known = {f.name for f in dataclasses.fields(ModuleCall)}
+        for i, c in enumerate(calls_d):
+            if not isinstance(c, dict) or set(c) - call_known:
+                raise ProfileError(
+                    f"{source}: calls[{i}] is not an object with fields {sorted(call_known)}"
+                )
+            try:
+                calls.append(ModuleCall(**{k: tuple(v) if isinstance(v, list) else v
+                                           for k, v in c.items()}))
+            except TypeError as e:
+                raise ProfileError(f"{source}: calls[{i}]: {e}") from None
         try:
             return cls(
                 nodes=tuple(nodes),
@@ -281,6 +345,7 @@ class Profile:
                 grad_bytes=d.get("grad_bytes", 0),
                 optimizer_state_bytes=d.get("optimizer_state_bytes", 0),
                 optimizer_step_bytes=d.get("optimizer_step_bytes", 0),
+                calls=tuple(calls),
                 meta=meta,
                 schema_version=version,
             )
@@ -368,7 +433,8 @@ def _validate(p: Profile) -> None:
         t = n.time_ms
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
             raise ProfileError(f"{where}: time_ms is {t!r}, expected a finite number >= 0")
-        for s in (*n.new_storages, *n.saves, *(() if n.storage is None else (n.storage,))):
+        for s in (*n.new_storages, *n.saves, *n.releases,
+                  *(() if n.storage is None else (n.storage,))):
             if not _is_count(s) or s >= n_st:
                 raise ProfileError(
                     f"{where}: storage id {s!r} is out of range (storage_bytes has {n_st} entries)"
@@ -404,3 +470,20 @@ def _validate(p: Profile) -> None:
             raise ProfileError(f"grads names {name!r}, which is not a node")
     if p.loss and p.loss not in seen:
         raise ProfileError(f"loss names {p.loss!r}, which is not a node")
+    for k, c in enumerate(p.calls):
+        for key in ("module", "start", "end", "blocker"):
+            if not isinstance(getattr(c, key), str):
+                raise ProfileError(f"calls[{k}]: field {key!r} is not a string")
+        if not isinstance(c.buffers, tuple) or not all(isinstance(b, str) for b in c.buffers):
+            raise ProfileError(f"calls[{k}]: field 'buffers' is not a list of names")
+        if not isinstance(c.children, tuple) or not all(isinstance(x, str) for x in c.children):
+            raise ProfileError(f"calls[{k}]: field 'children' is not a list of names")
+        if not isinstance(c.holds, tuple) or not all(
+                _is_count(h) and h < n_st for h in c.holds):
+            raise ProfileError(f"calls[{k}]: field 'holds' is not a list of storage ids")
+        for key in ("start", "end"):
+            name = getattr(c, key)
+            if name not in seen or p.nodes[seen[name]].phase != "forward":
+                raise ProfileError(f"calls[{k}] ({c.module!r}): {key} {name!r} is not a forward node")
+        if seen[c.start] > seen[c.end]:
+            raise ProfileError(f"calls[{k}] ({c.module!r}): starts after it ends")

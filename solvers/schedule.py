@@ -21,7 +21,13 @@ STATUSES = ("optimal", "feasible", "time_limit", "infeasible")
 
 @dataclass(frozen=True, kw_only=True)
 class Region:
-    """A contiguous range of forward nodes run under non-reentrant `torch.utils.checkpoint`."""
+    """A contiguous range of forward nodes run under non-reentrant `torch.utils.checkpoint`.
+
+    On a profile recorded by running the step, a region is one call of a module's `forward`
+    (`module`), and `planner.apply` wraps that module; the remaining fields say how, so that a
+    schedule applies to a model without its profile. On a traced (version 1) profile, `module` is
+    None and the region is a node range of the traced graph.
+    """
 
     start: str
     """Name of the first forward node of the region."""
@@ -30,6 +36,21 @@ class Region:
     saved: tuple[str, ...] = ()
     """Nodes inside the region whose outputs are kept from forward (selective checkpointing,
     MUST_SAVE); everything else the region saves is recomputed."""
+    module: str | None = None
+    """Dotted path of the module whose call this region is ("" is the root module); None for a
+    node-range region."""
+    save_ops: tuple[str, ...] = ()
+    """`saved` as the selective policy sees them: ``<aten overload>#<k>``, the k-th op of that
+    overload in one call of the module (independent of input shapes)."""
+    preserve_rng: bool = False
+    """The region draws random numbers (dropout): its replay restores the RNG state."""
+    buffers: tuple[str, ...] = ()
+    """Buffers the region updates in place (BatchNorm statistics): copies take the replay's
+    updates, so they move once per step."""
+    segment: tuple[int, int] | None = None
+    """For a `torch.nn.Sequential` `module`: the region is its children `segment[0]` to
+    `segment[1]` (inclusive, by position), run as one checkpoint (`checkpoint_sequential`'s
+    segments); None when the region is the whole module call."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,9 +78,7 @@ class Schedule:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["regions"] = [
-            {"start": r.start, "end": r.end, "saved": list(r.saved)} for r in self.regions
-        ]
+        d["regions"] = [_region_dict(r) for r in self.regions]
         return {"schema": SCHEDULE_SCHEMA, "schema_version": SCHEDULE_VERSION, **d}
 
     @classmethod
@@ -73,7 +92,16 @@ class Schedule:
             )
         try:
             regions = tuple(
-                Region(start=r["start"], end=r["end"], saved=tuple(r.get("saved", ())))
+                Region(
+                    start=r["start"],
+                    end=r["end"],
+                    saved=tuple(r.get("saved", ())),
+                    module=r.get("module"),
+                    save_ops=tuple(r.get("save_ops", ())),
+                    preserve_rng=bool(r.get("preserve_rng", False)),
+                    buffers=tuple(r.get("buffers", ())),
+                    segment=tuple(r["segment"]) if r.get("segment") is not None else None,
+                )
                 for r in d.get("regions", [])
             )
             kw = {k: d[k] for k in (f.name for f in dataclasses.fields(cls)) if k in d}
@@ -96,3 +124,13 @@ class Schedule:
         except (OSError, json.JSONDecodeError) as e:
             raise ScheduleError(f"{path}: cannot read schedule ({e})") from None
         return cls.from_dict(d, source=str(path))
+
+
+def _region_dict(r: Region) -> dict[str, Any]:
+    d: dict[str, Any] = {"start": r.start, "end": r.end, "saved": list(r.saved)}
+    if r.module is not None:
+        d.update(module=r.module, save_ops=list(r.save_ops), preserve_rng=r.preserve_rng,
+                 buffers=list(r.buffers))
+        if r.segment is not None:
+            d["segment"] = list(r.segment)
+    return d

@@ -1,30 +1,40 @@
 """Replay a Schedule over a Profile: the peak memory and recompute time of one training step.
 
 This is the single source of truth every solver's answer is checked against. It follows what
-non-reentrant `torch.utils.checkpoint` does at run time (torch 2.13; see shared/DESIGN.md):
+non-reentrant `torch.utils.checkpoint` does at run time (torch 2.13; each rule checked against
+memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
 
-- Forward runs node by node; a node's new storages are allocated when it runs and freed after their
-  last use. "Use" means: read by a later op (fx frees a value after its last reader), kept by an
-  autograd node for backward (freed when that autograd node has run, i.e. after the last backward op
-  it issued), or held as a parameter gradient / the loss until the step ends.
-- A checkpointed region keeps its inputs (the checkpoint frame saves its arguments) until the last
-  of its autograd nodes has run backward; tensors its ops would save are not kept, except the outputs
-  of nodes marked saved (selective checkpointing), which are kept from forward until the replay.
+- Forward runs node by node; a node's new storages are allocated when it runs. A storage is freed
+  after the later of: its last reader; the node after which the model's own code dropped its last
+  reference (`Node.releases`, recorded by running the step: a local variable holds a tensor until
+  the function returns); the end of the backward of every autograd node that saved it (its last
+  op, as backward formulas free their temporaries when they return); the end of the step for the
+  loss and parameter gradients.
+- A checkpointed region keeps its arguments (the checkpoint frame holds them) until the last of
+  its autograd nodes has run backward: the tensors its ops read from outside, and whatever the
+  call's arguments reach (`ModuleCall.holds`). Tensors its ops would save are not kept, except
+  the outputs of nodes marked saved (selective checkpointing), which are cached from forward.
 - In backward, the first op of the region's backward that unpacks a saved tensor replays the region
-  from its start up to its last op that saves anything (early stop); every op before that point is
-  replayed except the saved ones, even ops that only feed saved ones. The replayed tensors the
-  region's autograd nodes need live until those nodes have run; the others die after their last
-  replayed reader.
+  from its start up to its last op that saves anything (early stop). Early stop fires inside that
+  op: ops pack their saved inputs before they compute and their saved outputs after, so a last
+  saver that saves only inputs (mm, a mul by a dropout mask) is not computed. Every op before the
+  stop is replayed except the saved ones, even ops that only feed saved ones.
+- Replayed tensors the region's autograd nodes need live until those nodes have run; the others
+  die after their last replayed reader, or where the module's code drops them, or when the early
+  stop unwinds the replay. A cached (saved) output is consumed by the replay and dies after its
+  last replayed reader unless a backward op needs it; one after the early stop is never consumed
+  and lives in the frame's cache until the region's backward is done.
 - With an optimizer, the step ends with its update: parameters, gradients, optimizer state and the
   optimizer's transient memory.
 
 Memory is the sum of live storages' bytes, fixed memory (parameters, buffers, inputs, optimizer
-state) included, as `torch.cuda.max_memory_allocated` reports it. Op-internal workspace that never
-appears as a tensor is not modelled.
+state) included, as `torch.cuda.max_memory_allocated` reports it. Op-internal workspace is
+counted where the profile measured it (CPU measure mode).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from solvers.errors import ScheduleError
@@ -89,6 +99,12 @@ class GraphIndex:
             all_reads.append(r)
         self.reads = [sorted(r - self.fixed_storages) for r in all_reads]
         self.saves = [sorted(set(nd.saves)) for nd in nodes]
+        # release[s]: the node after which the model's own code dropped its last reference to s
+        # (recorded profiles); a storage with none dies after its last reader.
+        self.release: dict[int, int] = {}
+        for i, nd in enumerate(nodes):
+            for s in nd.releases:
+                self.release[s] = i
         self.grad_of = [
             self.name_to_i[nd.grad_of] if nd.grad_of is not None else -1 for nd in nodes
         ]
@@ -118,6 +134,7 @@ class GraphIndex:
                     self.persist.add(out_storage[j])
                 self.persist.update(self.new[j])
         self.fixed_bytes = p.fixed_bytes
+        self.call_holds = {(c.start, c.end): c.holds for c in p.calls if c.holds}
         self.has_optimizer = bool(p.optimizer_state_bytes or p.optimizer_step_bytes)
         self.optimizer_step_bytes = p.optimizer_step_bytes
 
@@ -139,6 +156,7 @@ class _Reg:
     trigger: int
     bw_end: int
     produced: set[int]
+    holds: tuple[int, ...] = ()
 
 
 def resolve_regions(p: Profile, schedule: Schedule | tuple[Region, ...]) -> list[_Reg]:
@@ -182,7 +200,8 @@ def resolve_regions(p: Profile, schedule: Schedule | tuple[Region, ...]) -> list
         trigger = min((g.bw_first_read[i] for i in savers if i in g.bw_first_read), default=-1)
         bw_end = max((g.bw_end[i] for i in savers if i in g.bw_end), default=-1)
         produced = {s for i in nodes for s in g.new[i]}
-        out.append(_Reg(nodes, saved, early, trigger, bw_end, produced))
+        holds = g.call_holds.get((r.start, r.end), ()) if r.module is not None else ()
+        out.append(_Reg(nodes, saved, early, trigger, bw_end, produced, holds))
     return out
 
 
@@ -201,6 +220,9 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
         for s in g.reads[i]:
             if k is not None and s in regs[k].produced:
                 continue  # this backward op reads the replay's copy
+            last[s] = i
+    for s, i in g.release.items():  # held by the model's code beyond its last reader
+        if s not in g.fixed_storages and i > last.get(s, -1):
             last[s] = i
     for s in g.persist:
         last[s] = g.end
@@ -235,6 +257,9 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
             for s in g.reads[i]:
                 if s not in r.produced and r.bw_end > last.get(s, -1):
                     last[s] = r.bw_end
+        for s in r.holds:  # reached through the region's arguments, which the frame keeps
+            if s not in g.fixed_storages and r.bw_end > last.get(s, -1):
+                last[s] = r.bw_end
         hold: dict[int, int] = {}  # storages the region's autograd nodes need, until when
         for i in r.nodes:
             for s in g.saves[i]:
@@ -245,6 +270,14 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
         for pos, i in enumerate(ran):
             for s in g.reads[i]:
                 if s in r.produced:
+                    read_pos[s] = pos
+        # The replay runs the module's own code: what it holds past the last reader lives until
+        # it is dropped there too, or until the early stop unwinds the replay.
+        for s in r.produced:
+            rel = g.release.get(s)
+            if rel is not None:
+                pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else len(ran) - 1
+                if pos > read_pos.get(s, -1):
                     read_pos[s] = pos
         frees: dict[int, list[int]] = {}
         ops = []
@@ -270,9 +303,11 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
                     frees.setdefault(read_pos.get(s, pos), []).append(s)
         replay_ops[k] = [(i, alloc, frees.get(pos, [])) for pos, (i, alloc) in enumerate(ops)]
         for i in r.saved:
-            if i > r.early_stop:  # never replayed: its cache entry lives until the replay ends
+            # Never replayed (after the early stop): nothing consumes its cache entry, which the
+            # checkpoint frame holds until the region's backward is done.
+            if i > r.early_stop:
                 for s in g.new[i]:
-                    last[s] = max(last.get(s, -1), hold.get(s, r.trigger))
+                    last[s] = max(last.get(s, -1), hold.get(s, r.bw_end))
 
     extra_alloc: dict[int, int] = {}
     extra_free: dict[int, int] = {}

@@ -1,8 +1,8 @@
 """One entry point for every method: `solve(profile, budget_bytes, method=...)`, and the registry.
 
 Like networkx's flow functions, every method shares one signature, and every answer passes one
-validator, `_finish`, which simulates the schedule and sets its predicted peak, recompute time and
-status. A method may claim `optimal`; `_finish` downgrades it to `infeasible` when the simulator
+validator, `finish`, which simulates the schedule and sets its predicted peak, recompute time and
+status. A method may claim `optimal`; `finish` downgrades it to `infeasible` when the simulator
 says the schedule does not fit.
 """
 
@@ -14,12 +14,14 @@ import math
 import time
 from collections.abc import Callable
 
+from solvers.chain import bind, in_place
 from solvers.errors import SolverUnavailableError
 from solvers.profile import Profile
 from solvers.schedule import Schedule
 from solvers.simulate import simulate
 
-__all__ = ["METHODS", "available_methods", "register", "smallest_peak", "solve"]
+__all__ = ["METHODS", "applicable", "available_methods", "finish", "register", "smallest_peak",
+           "solve"]
 
 Method = Callable[[Profile, int, "float | None"], Schedule]
 METHODS: dict[str, Method] = {}
@@ -62,8 +64,9 @@ def available_methods() -> list[str]:
     return ["auto", *METHODS]
 
 
-def _finish(profile: Profile, schedule: Schedule, budget_bytes: int) -> Schedule:
+def finish(profile: Profile, schedule: Schedule, budget_bytes: int) -> Schedule:
     """Simulate `schedule` and set its predictions and status: the one check every answer passes."""
+    schedule = dataclasses.replace(schedule, regions=bind(profile, schedule.regions))
     sim = simulate(profile, schedule)
     fits = sim.peak_bytes <= budget_bytes
     if fits:
@@ -84,6 +87,12 @@ def _finish(profile: Profile, schedule: Schedule, budget_bytes: int) -> Schedule
         min_peak_bytes=min_peak,
         stats={**schedule.stats, "peak_at": sim.peak_at},
     )
+
+
+def applicable(schedule: Schedule) -> bool:
+    """Every region of `schedule` is a module call (or it has none): `planner.apply` can put it
+    onto the model's own modules."""
+    return all(r.module is not None for r in schedule.regions)
 
 
 def _better(a: Schedule, b: Schedule | None) -> bool:
@@ -121,7 +130,7 @@ def solve(
     t0 = time.perf_counter()
     if method != "auto":
         sched = METHODS[method](profile, budget_bytes, time_limit_s)
-        sched = _finish(profile, dataclasses.replace(sched, method=method), budget_bytes)
+        sched = finish(profile, dataclasses.replace(sched, method=method), budget_bytes)
         return dataclasses.replace(
             sched, stats={**sched.stats, "solve_time_s": time.perf_counter() - t0}
         )
@@ -137,6 +146,9 @@ def solve(
         except SolverUnavailableError:
             tried[name] = "unavailable"
             continue
+        if in_place(profile) and not applicable(s):
+            tried[name] = "not applicable in place"
+            continue
         tried[name] = s.status
         min_peak = min(min_peak, s.predicted_peak_bytes, s.min_peak_bytes or math.inf)
         if _better(s, best):
@@ -149,10 +161,13 @@ def solve(
 
 
 def smallest_peak(profile: Profile, time_limit_s: float | None = 10.0) -> int:
-    """The lowest simulated peak any registered method reaches (for "raise the budget" messages)."""
+    """The lowest simulated peak any registered method reaches (for "raise the budget" messages);
+    on a recorded profile, among schedules that can be applied in place."""
     _load()
     best = math.inf
     for name in METHODS:
         s = solve(profile, 0, name, time_limit_s)
+        if in_place(profile) and not applicable(s):
+            continue
         best = min(best, s.predicted_peak_bytes, s.min_peak_bytes or math.inf)
     return int(best)

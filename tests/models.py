@@ -197,7 +197,7 @@ def hf_gpt2(
     )
     model = _hf_build(GPT2LMHeadModel, config, attn_implementation)
     input_ids = torch.randint(0, vocab, (batch, seq))
-    return model, {"input_ids": input_ids, "labels": input_ids}
+    return model, {"input_ids": input_ids, "labels": input_ids, "use_cache": False}
 
 
 def hf_llama(
@@ -227,7 +227,7 @@ def hf_llama(
     )
     model = _hf_build(LlamaForCausalLM, config, attn_implementation)
     input_ids = torch.randint(0, vocab, (batch, seq))
-    return model, {"input_ids": input_ids, "labels": input_ids}
+    return model, {"input_ids": input_ids, "labels": input_ids, "use_cache": False}
 
 
 # -- CNNs --------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Estimate-mode profile of a Llama-style 7B on the meta device: fast, and nothing materialised.
+"""Estimate-mode profile of a Llama-style 7B on the meta device: nothing materialised, sizes right.
 
 Run in a fresh subprocess so that its peak RSS is its own, not whatever earlier tests left behind.
+How long it takes and how much memory it needs is measured by `benchmarks/profile_7b.py`.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import json, resource, time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from planner.profiler import profile
+from planner.profiling import profile
 
 cfg = LlamaConfig(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -52,7 +53,7 @@ print("RESULT " + json.dumps({
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss units are KiB on Linux only")
-def test_llama7b_estimate_profile_is_fast_and_small():
+def test_llama7b_estimate_profile_sizes():
     pytest.importorskip("transformers")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -66,8 +67,6 @@ def test_llama7b_estimate_profile_is_fast_and_small():
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     r = json.loads(line.removeprefix("RESULT "))
-    assert r["seconds"] < 120, r
-    assert r["rss_growth_bytes"] < 4 * 2**30, r
     assert 6.5e9 < r["n_params"] < 7e9
     assert r["param_bytes"] == 2 * r["n_params"]
     assert r["grad_bytes"] == 2 * r["n_params"]

@@ -25,6 +25,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils import _pytree as pytree
 
+from planner.capture.record import default_loss, split_inputs, written_positions
 from solvers.errors import CkptPlannerError
 
 __all__ = [
@@ -39,32 +40,6 @@ __all__ = [
 
 class TraceError(CkptPlannerError, RuntimeError):
     """The model could not be traced into an aten graph."""
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The loss used when none is given: ``output.loss`` where the output has one (HF models called
-    with ``labels``), else the mean of the first tensor in the output, in float32."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    for leaf in pytree.tree_leaves(output):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            return leaf.float().mean()
-    raise TraceError(
-        f"the model's output ({type(output).__name__}) holds no floating-point tensor to take a "
-        "default loss from; pass loss_fn=..."
-    )
-
-
-def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Normalise example inputs: a tensor, a tuple/list of positional args, or a dict of kwargs."""
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, tuple | list):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
 
 
 @dataclass
@@ -303,21 +278,3 @@ def preserved_rng():
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         yield
-
-
-_UNANNOTATED_BN = {"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"}
-
-
-def written_positions(target: Any) -> list[int]:
-    """Positions of the arguments an aten op mutates in place."""
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return []
-    if schema.name in _UNANNOTATED_BN:
-        # these update running_mean/running_var (args 3, 4) in place, but their schemas do not say so
-        return [3, 4]
-    return [
-        i
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]

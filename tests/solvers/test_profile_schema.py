@@ -17,7 +17,7 @@ import pytest
 
 from solvers import Node, Profile, ProfileError, ProfileMeta
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_profile() -> Profile:
@@ -166,7 +166,7 @@ def test_from_dict_round_trip_and_defaults_omitted():
     p = tiny_profile()
     d = p.to_dict()
     assert d["schema"] == "ckpt-planner/profile"
-    assert d["schema_version"] == 1
+    assert d["schema_version"] == 2
     view = _node(d, "view")
     assert set(view) == {"name", "op", "phase", "inputs", "storage"}
     assert Profile.from_dict(json.loads(json.dumps(d))) == p
@@ -272,7 +272,7 @@ def test_malformed_profile_raises_profile_error(tmp_path, case):
 
 def test_profile_error_is_a_value_error():
     d = tiny_profile().to_dict()
-    d["schema_version"] = 2
+    d["schema_version"] = 3
     with pytest.raises(ValueError):
         Profile.from_dict(d)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from planner.trace import default_loss, split_inputs
+from planner.capture.record import default_loss, split_inputs
 
 __all__ = ["Measurement", "measure", "fixed_bytes"]
 

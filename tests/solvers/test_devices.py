@@ -87,6 +87,6 @@ def test_doctests() -> None:
 
 
 def test_import_does_not_load_torch() -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = "import sys, planner.devices, planner.cli; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

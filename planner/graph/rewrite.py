@@ -30,8 +30,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from planner.trace import JointTrace
-from planner.trace import written_positions as _written_positions
+from planner.graph.trace import JointTrace
+from planner.graph.trace import written_positions as _written_positions
 from solvers.errors import ScheduleError
 from solvers.schedule import Region, Schedule
 

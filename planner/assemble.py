@@ -1,0 +1,144 @@
+"""Turn a `Recording` of one training step into the torch-free `solvers.Profile`.
+
+This is the one place where recorded ops become profile nodes, and where each module call gets
+its verdict: can it be a checkpointed region, and if not, why (the `blocker` of `ModuleCall`).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import Counter
+
+from planner.capture.record import OpRecord, Recording
+from solvers.profile import FIXED_PHASES, ModuleCall, Node, Profile, ProfileMeta
+
+__all__ = ["call_blockers", "to_profile"]
+
+
+def _is_buffer(r: OpRecord) -> bool:
+    """A module buffer's placeholder (not a constant tensor the model held elsewhere)."""
+    return r.phase == "buffer" and r.module != "constant"
+
+
+def call_blockers(rec: Recording) -> list[str]:
+    """For each call of `rec.calls`: "" when running it under non-reentrant checkpoint replays
+    exactly what ran, else the reason it would not.
+
+    - A module called more than once per step: a region wraps the module, so all of its calls
+      would be checkpointed together, which the solvers do not model.
+    - An op whose output shape depends on tensor values (``nonzero``, boolean masks, MoE token
+      routing): the replay is not proven to produce the same shapes, and the memory of other
+      batches differs from the recorded one.
+    - An in-place write to a tensor made before the call, other than a module buffer (buffers
+      are swapped for copies during the replay): the replay would apply the write twice.
+    - A tensor made inside the call and stored into an object the call was given (an HF
+      ``DynamicCache`` under ``use_cache=True``, a list collecting hidden states): the replay
+      would store it again.
+    """
+    per_module = Counter(c.module for c in rec.calls)
+    made_at: dict[int, int] = {}
+    for i, r in enumerate(rec.ops):
+        for s in r.new_storages:
+            made_at[s] = i
+    buffer_storages = {r.storage for r in rec.ops if _is_buffer(r)}
+    # prefix sums of "first blocking op at or after i" are overkill here: spans nest, so scan
+    dyn = [i for i, r in enumerate(rec.ops) if r.dynamic.startswith("output shape")]
+    writes = [(i, s) for i, r in enumerate(rec.ops) if r.phase == "forward" for s in r.writes
+              if s not in buffer_storages]
+    out = []
+    for c in rec.calls:
+        if per_module[c.module] > 1:
+            out.append(f"called {per_module[c.module]} times in one step")
+            continue
+        reason = ""
+        for i in dyn:
+            if c.start <= i <= c.end:
+                reason = rec.ops[i].dynamic
+                break
+        if not reason:
+            for i, s in writes:
+                if c.start <= i <= c.end and made_at.get(s, -1) < c.start:
+                    reason = f"writes in place to a tensor made before the call ({rec.ops[i].op})"
+                    break
+        if not reason and any(c.start <= made_at.get(s, -1) <= c.end for s in c.holds):
+            reason = ("stores tensors it makes into an object it was given (a KV cache: call the "
+                      "model with use_cache=False for training)")
+        out.append(reason)
+    return out
+
+
+def to_profile(
+    rec: Recording,
+    *,
+    model_class: str,
+    device: str,
+    device_name: str,
+    mode: str,
+    dtype: str,
+    torch_version: str,
+    grad_bytes: int,
+    optimizer_state_bytes: int = 0,
+    optimizer_step_bytes: int = 0,
+    storage_bytes: list[int] | None = None,
+) -> Profile:
+    """The Profile of a recorded step (times, FLOPs and bytes as recorded; `storage_bytes`
+    overrides the recorded sizes, for estimate mode's GPU corrections)."""
+    names = [r.name for r in rec.ops]
+    nodes = []
+    for r in rec.ops:
+        nodes.append(
+            Node(
+                name=r.name,
+                op=r.op,
+                phase=r.phase,
+                inputs=tuple(names[i] for i in r.inputs),
+                module=r.module,
+                storage=r.storage,
+                new_storages=tuple(r.new_storages),
+                saves=tuple(sorted(r.saves)) if r.phase in ("forward", "loss") else (),
+                grad_of=names[r.grad_of] if r.grad_of is not None else None,
+                workspace_bytes=int(r.workspace_bytes),
+                flops=int(r.flops),
+                bytes_moved=int(r.bytes_moved),
+                time_ms=0.0 if r.phase in FIXED_PHASES else float(r.time_ms),
+                random=r.random,
+                mutates_buffer=r.mutates_buffer,
+                releases=tuple(sorted(r.releases)),
+            )
+        )
+    blockers = call_blockers(rec)
+    buffer_name = {r.storage: r.name for r in rec.ops if _is_buffer(r)}
+    fixed = {s for r in rec.ops if r.phase in FIXED_PHASES for s in r.new_storages}
+    calls = []
+    for c, b in zip(rec.calls, blockers, strict=True):
+        calls.append(ModuleCall(
+            module=c.module, start=names[c.start], end=names[c.end], blocker=b,
+            buffers=tuple(sorted({buffer_name[s] for r in rec.ops[c.start:c.end + 1]
+                                  for s in r.writes if s in buffer_name})),
+            holds=tuple(sorted(c.holds - fixed)),
+            children=tuple(rec.sequential.get(c.module, ())),
+        ))
+    meta = ProfileMeta(
+        model_class=model_class,
+        device=device,
+        device_name=device_name,
+        mode=mode,
+        dtype=dtype,
+        torch_version=torch_version,
+        input_shapes=dict(rec.input_shapes),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        step_ms_measured=rec.step_ms,
+        capture="run",
+    )
+    return Profile(
+        nodes=tuple(nodes),
+        storage_bytes=tuple(storage_bytes if storage_bytes is not None else rec.storage_bytes),
+        model_outputs=tuple(names[i] for i in rec.outputs),
+        loss=names[rec.loss],
+        grads=tuple(names[i] for i in rec.grads),
+        grad_bytes=grad_bytes,
+        optimizer_state_bytes=optimizer_state_bytes,
+        optimizer_step_bytes=optimizer_step_bytes,
+        calls=tuple(calls),
+        meta=meta,
+    )

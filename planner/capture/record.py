@@ -1,0 +1,865 @@
+"""Record one real training step of the user's model: every aten op, forward and backward.
+
+Nothing is traced: the model's own Python runs (data-dependent branches, `.item()`, HF's mask
+code included), under three observers:
+
+- a `TorchDispatchMode` that sees every aten op below autograd, forward and backward, with its
+  tensor arguments and outputs: the storages it allocates (an output whose storage is not one of
+  its inputs' is new; views and in-place results cost 0), FLOPs, bytes moved, time;
+- `saved_tensors_hooks`: which storages autograd saves for which autograd node. The structure pass
+  packs a *copy* of every saved tensor, so that the original storage dies when the model's own
+  references to it do: that is when it dies inside a checkpointed region, where autograd keeps
+  nothing. The autograd node of a forward op is the one created just before it dispatched
+  (`torch.autograd._get_sequence_nr()`), and a backward op belongs to
+  `torch._C._current_autograd_node()`;
+- module hooks: the module path of every forward op, and every module call's span of ops, which
+  are the regions a plan may checkpoint (`planner.apply` wraps exactly a module's `forward`).
+
+Storage lifetimes come from weak references to the storages (PyTorch keeps a storage's Python
+object for as long as the storage lives): the op after which each storage's last reference died
+is recorded, which is how the simulator knows what the model's Python keeps alive.
+
+This module knows nothing about solvers; `planner.assemble` turns a `Recording` into a `Profile`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import (
+    flop_registry,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from solvers.errors import CkptPlannerError
+
+__all__ = [
+    "ModelRunError",
+    "ModuleCall",
+    "OpRecord",
+    "Recording",
+    "StepSpec",
+    "default_loss",
+    "is_view",
+    "op_name",
+    "record_step",
+    "restoring",
+    "run_step",
+    "split_inputs",
+    "written_positions",
+]
+
+aten = torch.ops.aten
+
+# FlopCounterMode counts the CUDA SDPA kernels but not the CPU flash kernel (torch 2.13).
+_CPU_SDPA = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_SDPA_BWD = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+if _CPU_SDPA is not None and _CPU_SDPA.default not in flop_registry:
+    with contextlib.suppress(RuntimeError):  # registered twice when the module is reloaded
+
+        @register_flop_formula(_CPU_SDPA)
+        def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kw):
+            return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+        @register_flop_formula(_CPU_SDPA_BWD)
+        def _cpu_sdpa_bwd_flop(grad_out_shape, query_shape, key_shape, value_shape, *a, **kw):
+            return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+class ModelRunError(CkptPlannerError, RuntimeError):
+    """The model's own training step raised; the message names the module it raised in."""
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss used when none is given: ``output.loss`` where the output has one (HF models called
+    with ``labels``), else the mean of the first floating-point tensor in the output, in float32."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.float().mean()
+    raise CkptPlannerError(
+        f"the model's output ({type(output).__name__}) holds no floating-point tensor to take a "
+        "default loss from; pass loss_fn=..."
+    )
+
+
+def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Normalise example inputs: a tensor, a tuple/list of positional args, or a dict of kwargs."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, tuple | list):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+_UNANNOTATED_BN = {"aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm"}
+
+
+def written_positions(target: Any) -> list[int]:
+    """Positions of the arguments an aten op mutates in place."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return []
+    if schema.name in _UNANNOTATED_BN:
+        # these update running_mean/running_var (args 3, 4) in place, but their schemas do not say so
+        return [3, 4]
+    return [
+        i
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+@dataclass
+class OpRecord:
+    """One recorded op (or a placeholder for a tensor that existed before the step)."""
+
+    name: str
+    op: str
+    phase: str
+    """param, buffer, input, forward, loss or backward."""
+    inputs: list[int] = field(default_factory=list)
+    """Indices of the records whose outputs this op reads."""
+    module: str = ""
+    storage: int | None = None
+    new_storages: list[int] = field(default_factory=list)
+    saves: set[int] = field(default_factory=set)
+    grad_of: int | None = None
+    flops: int = 0
+    bytes_moved: int = 0
+    time_ms: float = 0.0
+    random: bool = False
+    mutates_buffer: bool = False
+    writes: list[int] = field(default_factory=list)
+    """Storages the op mutates in place."""
+    dynamic: str = ""
+    """Why the op's outputs depend on tensor values ("" when they do not): its output shape
+    (``nonzero``, boolean indexing) or a value read on the host (``.item()``)."""
+    releases: list[int] = field(default_factory=list)
+    """Storages whose last reference (autograd's saved copies aside) died after this op."""
+    workspace_bytes: int = 0
+    """Bytes the op allocated and freed again while it ran (measured on CPU)."""
+    view: bool = False
+    """The op returns a view of an input (its schema says the output aliases it, read-only)."""
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call of a module's `forward`, as a span of recorded forward ops (inclusive)."""
+
+    module: str
+    start: int
+    end: int
+    holds: frozenset[int] = frozenset()
+    """Storages the call's arguments reach when the forward ends (a KV cache object passed to
+    every layer holds what later layers add to it): a checkpoint of this call keeps its
+    arguments, so these live until the region's backward."""
+
+
+@dataclass
+class Recording:
+    """What one recorded training step ran."""
+
+    ops: list[OpRecord]
+    """Placeholders first (params, buffers, inputs, constants), then the step's ops in order."""
+    storage_bytes: list[int]
+    calls: list[ModuleCall]
+    loss: int
+    grads: list[int]
+    outputs: list[int]
+    param_names: list[str]
+    trainable: dict[str, bool]
+    input_shapes: dict[str, list[int]]
+    module_paths: list[str]
+    sequential: dict[str, list[str]] = field(default_factory=dict)
+    """Modules whose forward is `nn.Sequential`'s: path -> children's names, in order."""
+    step_ms: float | None = None
+    """Wall time of one unrecorded step (median), when timed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """How to run one training step of a model: the call, the loss, and what to differentiate."""
+
+    model: torch.nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any], torch.Tensor]
+    params: dict[str, torch.Tensor]
+    """Name -> tensor the step uses for each parameter (the model's own, or fakes)."""
+    buffers: dict[str, torch.Tensor]
+    call: Callable[[], Any]
+    """Runs the model's forward on the inputs and returns its output."""
+
+
+class _Packed:
+    """What a saved-tensor pack hook returns: the copy autograd uses, and the original storage."""
+
+    __slots__ = ("sid", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, sid: int | None):
+        self.tensor = tensor
+        self.sid = sid
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def op_name(func: Any) -> str:
+    """The profile's name of an op: ``aten.addmm.default`` (namespace, overload packet, overload)."""
+    if isinstance(func, torch._ops.OpOverload):
+        if func.namespace == "aten":
+            return f"aten.{func.__name__}"
+        return f"{func.namespace}.{func.__name__}"
+    return getattr(func, "__name__", str(func))
+
+
+def is_view(func: Any) -> bool:
+    """The op returns a view of an input (its schema: the output aliases it, read-only)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and not info.is_write
+
+
+def _dynamic_reason(func: Any) -> str:
+    tags = getattr(func, "tags", ())
+    if torch.Tag.dynamic_output_shape in tags:
+        return f"output shape depends on values ({op_name(func)})"
+    if torch.Tag.data_dependent_output in tags:
+        return f"reads a tensor value on the host ({op_name(func)})"
+    return ""
+
+
+_PASS_THROUGH = frozenset({"profiler", "prim"})
+"""Op namespaces not recorded: the profiler's markers, and metadata queries (``prim.device``) that
+fake tensors dispatch."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op below autograd; see the module docstring."""
+
+    def __init__(self, *, timed: bool = False, sync: Callable[[], None] = lambda: None,
+                 structure: bool = True, marked: bool = False):
+        super().__init__()
+        self.structure = structure
+        self.timed = timed
+        self.marked = marked
+        self.sync = sync
+        self.suspended = 0
+        self.phase = "forward"
+        self.ops: list[OpRecord] = []
+        self.placeholders: list[OpRecord] = []
+        self.storage_bytes: list[int] = []
+        self.sid_of: dict[int, int] = {}  # id(storage object) -> storage id, while it lives
+        self.owner: dict[int, int] = {}  # storage id -> record index of the tensor that is it
+        self.times: list[float] = []
+        self.names: list[str] = []
+        self.module_stack: list[str] = []
+        self.calls: list[ModuleCall] = []
+        self.call_args: list[tuple[list[int], list[weakref.ref]]] = []
+        self.raised_in: dict[int, str] = {}
+        self.seq_owner: dict[int, int] = {}  # autograd node sequence number -> forward op index
+        self.last_seq = torch.autograd._get_sequence_nr()
+        self.packs: list[tuple[int, int]] = []  # (sequence number, storage id)
+        self.release_at: dict[int, int] = {}
+        self.counts: dict[str, int] = {}
+        self.fixed_kind: dict[int, str] = {}  # storage id -> "param"/"buffer"/"input"
+        self.buffer_sids: set[int] = set()
+
+    # -- storages -----------------------------------------------------------------------------
+    def _released(self, key: int, sid: int) -> None:
+        if self.sid_of.get(key) == sid:
+            del self.sid_of[key]
+        # after the last op recorded so far (placeholders count as position -1)
+        self.release_at[sid] = len(self.ops) - 1
+
+    def _unalias(self, key: int, sid: int) -> None:
+        if self.sid_of.get(key) == sid:
+            del self.sid_of[key]
+
+    def _alias(self, st: torch.UntypedStorage, sid: int) -> None:
+        """Another storage object that stands for storage `sid` (autograd's copy of a saved
+        tensor), for as long as it lives."""
+        key = id(st)
+        if key not in self.sid_of:
+            self.sid_of[key] = sid
+            weakref.finalize(st, self._unalias, key, sid)
+
+    def _new_storage(self, st: torch.UntypedStorage) -> int:
+        sid = len(self.storage_bytes)
+        self.storage_bytes.append(int(st.nbytes()))
+        key = id(st)
+        self.sid_of[key] = sid
+        weakref.finalize(st, self._released, key, sid)
+        return sid
+
+    def register_fixed(self, kind: str, name: str, t: torch.Tensor) -> None:
+        """A tensor that exists before the step: parameter, buffer or input."""
+        st = t.untyped_storage()
+        if id(st) in self.sid_of:
+            return  # shares storage with one already registered (tied weights)
+        sid = self._new_storage(st)
+        self.fixed_kind[sid] = kind
+        if kind == "buffer":
+            self.buffer_sids.add(sid)
+        rec = OpRecord(name=name, op="placeholder", phase=kind, module=name, storage=sid,
+                       new_storages=[sid])
+        self.owner[sid] = -1 - len(self.placeholders)
+        self.placeholders.append(rec)
+
+    def sid(self, t: torch.Tensor) -> int:
+        """The storage id of a tensor; a tensor from before the step that is not a parameter,
+        buffer or input (a cached mask, a module attribute) becomes a constant placeholder."""
+        st = t.untyped_storage()
+        sid = self.sid_of.get(id(st))
+        if sid is None:
+            sid = self._new_storage(st)
+            self.fixed_kind[sid] = "buffer"
+            rec = OpRecord(name=f"constant_{len(self.placeholders)}", op="placeholder",
+                           phase="buffer", module="constant", storage=sid, new_storages=[sid])
+            self.owner[sid] = -1 - len(self.placeholders)
+            self.placeholders.append(rec)
+        return sid
+
+    def _name(self, base: str) -> str:
+        k = self.counts.get(base, 0)
+        self.counts[base] = k + 1
+        return f"{base}_{k}" if k else base
+
+    # -- ops ----------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.suspended or getattr(func, "namespace", "") in _PASS_THROUGH:
+            return func(*args, **kwargs)
+        if not self.structure:
+            return self._light(func, args, kwargs)
+        seq = torch.autograd._get_sequence_nr()
+        node = torch._C._current_autograd_node() if self.phase == "backward" else None
+        in_tensors = _tensors((args, kwargs))
+        in_sids = [self.sid(t) for t in in_tensors]
+        out = func(*args, **kwargs)
+        self._record(func, args, kwargs, in_tensors, in_sids, out, seq, node)
+        return out
+
+    def _light(self, func, args, kwargs):
+        """Timing or marking pass: only the op's name and time."""
+        if self.marked:
+            with torch.autograd.profiler.record_function(f"ckpt_op::{len(self.names)}"):
+                out = func(*args, **kwargs)
+            self.names.append(op_name(func))
+            return out
+        self.sync()
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        self.times.append((time.perf_counter() - t0) * 1e3)
+        self.names.append(op_name(func))
+        return out
+
+    def _record(self, func, args, kwargs, in_tensors, in_sids, out, seq, node) -> None:
+        idx = len(self.ops)
+        in_cdata = {t.untyped_storage()._cdata: s for t, s in zip(in_tensors, in_sids, strict=True)}
+        outs = out if isinstance(out, tuple | list) else (out,)
+        out_sids: list[int | None] = []
+        new: list[int] = []
+        for t in outs:
+            if not isinstance(t, torch.Tensor):
+                out_sids.append(None)
+                continue
+            st = t.untyped_storage()
+            s = in_cdata.get(st._cdata)
+            if s is None:
+                s = self._new_storage(st)
+                new.append(s)
+            else:  # a view or an in-place result of an input: map this storage object too
+                self._alias(st, s)
+            out_sids.append(s)
+        packet = getattr(func, "overloadpacket", None)
+        base = getattr(packet, "__name__", None) or op_name(func).split(".")[-1]
+        writes = []
+        for pos in written_positions(func):
+            if pos < len(args) and isinstance(args[pos], torch.Tensor):
+                writes.append(self.sid(args[pos]))
+        flops = 0
+        if packet in flop_registry:
+            with contextlib.suppress(Exception):  # a formula that cannot take these arguments
+                flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+        rec = OpRecord(
+            name=self._name(base),
+            op=op_name(func),
+            phase=self.phase,
+            inputs=sorted({self.owner.get(s, -1) for s in in_sids if s in self.owner}),
+            module=self.module_stack[-1] if self.module_stack and self.phase == "forward" else "",
+            storage=out_sids[0] if not isinstance(out, tuple | list) else None,
+            new_storages=new,
+            flops=flops,
+            bytes_moved=sum(t.numel() * t.element_size() for t in in_tensors)
+            + sum(t.numel() * t.element_size() for t in _tensors(out)),
+            random=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
+            mutates_buffer=any(s in self.buffer_sids for s in writes),
+            writes=writes,
+            dynamic=_dynamic_reason(func),
+            view=is_view(func),
+        )
+        if self.phase in ("forward", "loss") and any(o is not None for o in out_sids):
+            if seq != self.last_seq:  # this op created autograd node seq - 1
+                self.seq_owner.setdefault(seq - 1, idx)
+                self.last_seq = seq
+        elif node is not None:
+            owner = self.seq_owner.get(node._sequence_nr())
+            rec.grad_of = owner
+        self.ops.append(rec)
+        if isinstance(out, tuple | list):
+            for s in out_sids:
+                if s is None:
+                    continue
+                g = OpRecord(name=self._name("getitem"), op="getitem", phase=self.phase,
+                             inputs=[idx], module=rec.module, storage=s, grad_of=rec.grad_of)
+                self.ops.append(g)
+                if s in new:
+                    self.owner[s] = len(self.ops) - 1
+        else:
+            for s in new:
+                self.owner[s] = idx
+
+    # -- saved tensors ------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> _Packed:
+        """Autograd saves `t` for the node being created (sequence number - 1): keep a copy, so
+        that the original storage lives only as long as the model's own references do."""
+        self.suspended += 1
+        try:
+            sid = self.sid_of.get(id(t.untyped_storage()))
+            if sid is not None:
+                self.packs.append((torch.autograd._get_sequence_nr() - 1, sid))
+            if t.device.type == "cuda":
+                copy = t.detach().to("cpu")
+            else:
+                copy = t.detach().clone()
+            return _Packed(copy, sid)
+        finally:
+            self.suspended -= 1
+
+    def unpack(self, p: _Packed) -> torch.Tensor:
+        self.suspended += 1
+        try:
+            t = p.tensor
+            if self._device is not None and t.device != self._device:
+                t = t.to(self._device)
+            if p.sid is not None:
+                # backward ops read the copy: they read the original storage
+                self._alias(t.untyped_storage(), p.sid)
+            return t
+        finally:
+            self.suspended -= 1
+
+    _device: torch.device | None = None
+
+    # -- modules ------------------------------------------------------------------------------
+    def _argument_refs(self, args: Any) -> tuple[list[int], list[weakref.ref]]:
+        """A call's arguments: the storages of its tensors, and weak references to the other
+        objects it was given (a cache object), whose tensors are looked up when forward ends."""
+        sids: list[int] = []
+        objs: list[weakref.ref] = []
+        for leaf in pytree.tree_leaves(args):
+            if isinstance(leaf, torch.Tensor):
+                sids.append(self.sid(leaf))
+            elif not isinstance(leaf, int | float | bool | str | bytes | type(None)
+                                | torch.dtype | torch.device):
+                with contextlib.suppress(TypeError):  # objects without weakref support
+                    objs.append(weakref.ref(leaf))
+        return sids, objs
+
+    def resolve_holds(self) -> None:
+        """Storages each call's arguments reach now (at the end of forward)."""
+        reach: dict[int, frozenset[int]] = {}
+        for k, (sids, objs) in enumerate(self.call_args):
+            held = set(sids)
+            for r in objs:
+                obj = r()
+                if obj is None:
+                    continue
+                key = id(obj)
+                if key not in reach:
+                    reach[key] = frozenset(self._reachable_storages(obj))
+                held |= reach[key]
+            c = self.calls[k]
+            self.calls[k] = ModuleCall(c.module, c.start, c.end, frozenset(held))
+
+    def _reachable_storages(self, obj: Any, depth: int = 4) -> set[int]:
+        out: set[int] = set()
+        seen: set[int] = set()
+        todo = [(obj, 0)]
+        while todo:
+            o, d = todo.pop()
+            if id(o) in seen or d > depth:
+                continue
+            seen.add(id(o))
+            if isinstance(o, torch.Tensor):
+                sid = self.sid_of.get(id(o.untyped_storage()))
+                if sid is not None:
+                    out.add(sid)
+            elif isinstance(o, dict):
+                todo.extend((v, d + 1) for v in o.values())
+            elif isinstance(o, list | tuple | set):
+                todo.extend((v, d + 1) for v in o)
+            elif isinstance(o, torch.nn.Module):
+                continue  # modules' own tensors are parameters and buffers
+            elif hasattr(o, "__dict__"):
+                todo.extend((v, d + 1) for v in vars(o).values())
+        return out
+
+    @contextlib.contextmanager
+    def module_hooks(self, model: torch.nn.Module) -> Iterator[None]:
+        """Per-module hooks marking each call's `forward` span: the pre-hook runs after the
+        module's own pre-hooks, the post-hook before its own forward hooks."""
+        handles = []
+        starts: list[int] = []
+
+        args_of: list[tuple[list[int], list[weakref.ref]]] = []
+
+        def pre(name):
+            def hook(mod, args, kwargs):
+                self.module_stack.append(name)
+                starts.append(len(self.ops))
+                args_of.append(self._argument_refs((args, kwargs)))
+            return hook
+
+        def post(name):
+            def hook(mod, args, out):
+                exc = sys.exc_info()[1]
+                if exc is not None and id(exc) not in self.raised_in:
+                    self.raised_in[id(exc)] = name  # the innermost module it raised in
+                if self.module_stack and self.module_stack[-1] == name:
+                    self.module_stack.pop()
+                    start = starts.pop()
+                    refs = args_of.pop()
+                    if self.phase == "forward" and len(self.ops) > start:
+                        self.calls.append(ModuleCall(name, start, len(self.ops) - 1))
+                        self.call_args.append(refs)
+            return hook
+
+        for name, m in model.named_modules():
+            handles.append(m.register_forward_pre_hook(pre(name), with_kwargs=True))
+            handles.append(m.register_forward_hook(post(name), prepend=True, always_call=True))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise CkptPlannerError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
+    if loss.grad_fn is None:
+        raise CkptPlannerError(
+            "the loss does not depend on any trainable parameter (it has no grad_fn): check that "
+            "some parameters have requires_grad=True, that the model is not run under "
+            "torch.no_grad(), and that the loss uses the model's output"
+        )
+    return loss
+
+
+def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[int], int, list]:
+    """One forward, loss and backward of `spec`. Returns (storage ids of the output leaves, of
+    the loss, and the gradients' storage ids) when recording structure."""
+    wrt = [p for p in spec.params.values() if p.requires_grad]
+    if not wrt:
+        raise CkptPlannerError(
+            "no parameter of the model requires grad, so there is no backward to plan; "
+            "unfreeze some parameters (or add adapters) first"
+        )
+    pack_ctx = (
+        torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
+        if rec is not None and rec.structure
+        else contextlib.nullcontext()
+    )
+    mod_ctx = rec.module_hooks(spec.model) if rec is not None and hooks else contextlib.nullcontext()
+    out_sids: list[int] = []
+    with pack_ctx:
+        if rec is not None:
+            rec.phase = "forward"
+        with mod_ctx:
+            out = spec.call()
+        if rec is not None:
+            rec.phase = "loss"
+            if rec.structure:
+                out_sids = [rec.sid(t) for t in _tensors(out)]
+                if hooks:
+                    rec.resolve_holds()
+        loss = _check_loss(spec.loss_fn(out))
+        del out  # a training loop drops the output once the loss is computed
+        loss_sid = rec.sid(loss) if rec is not None and rec.structure else -1
+    if rec is not None:
+        rec.phase = "backward"
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    grad_sids = []
+    if rec is not None and rec.structure:
+        grad_sids = [rec.sid(g) for g in grads if g is not None]
+        rec.phase = "done"
+        rec._final_refs = (loss, grads)  # held until the recording is assembled
+    del loss, grads
+    return out_sids, loss_sid, grad_sids
+
+
+@contextlib.contextmanager
+def restoring(spec: StepSpec) -> Iterator[None]:
+    """Leave the model's buffers (BatchNorm statistics) and the RNG streams as they were."""
+    saved = {k: v.detach().clone() for k, v in spec.buffers.items() if v.device.type != "meta"}
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, v in saved.items():
+                    spec.buffers[k].copy_(v)
+
+
+def _where(rec: _Recorder, e: BaseException) -> str:
+    """The innermost module the exception `e` raised in."""
+    if id(e) in rec.raised_in:
+        return rec.raised_in[id(e)] or "(the root module)"
+    return rec.module_stack[-1] if rec.module_stack else "(outside any module)"
+
+
+def record_step(
+    spec: StepSpec,
+    *,
+    fake: bool = False,
+    timing_repeats: int = 0,
+    workspace: bool = False,
+    device: torch.device | None = None,
+) -> Recording:
+    """Run the step of `spec` once under the recorder (structure, FLOPs, lifetimes), then
+    `timing_repeats` more times timing every op (median), and, with `workspace`, once under
+    `torch.profiler` to measure each op's transient allocations. The model's buffers and the RNG
+    are restored before every run, so every run draws the same dropout masks and runs the same
+    ops; the user's model is left as it was."""
+    sync = (lambda: torch.cuda.synchronize()) if device is not None and device.type == "cuda" \
+        else (lambda: None)
+    rec = _Recorder(sync=sync)
+    rec._device = device
+    for name, p in spec.params.items():
+        rec.register_fixed("param", name, p)
+    for name, b in spec.buffers.items():
+        rec.register_fixed("buffer", name, b)
+    input_shapes: dict[str, list[int]] = {}
+    for path, leaf in pytree.tree_flatten_with_path((spec.args, spec.kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            key = pytree.keystr(path)
+            input_shapes[key] = list(leaf.shape)
+            rec.register_fixed("input", f"input{key}", leaf)
+    with restoring(spec):
+        try:
+            with rec:
+                out_sids, loss_sid, grad_sids = run_step(spec, rec, hooks=True)
+        except CkptPlannerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the model's own error, with where it happened
+            raise _run_error(spec, rec, e) from e
+    # The loss and gradients die now, after every recorded op, as at the step's end; so does
+    # what only reference cycles kept (they would wait for the garbage collector in training too).
+    rec.__dict__.pop("_final_refs", None)
+    gc.collect()
+    recording = _assemble(spec, rec, out_sids, loss_sid, grad_sids, input_shapes)
+    if timing_repeats > 0 and not fake:
+        _time_ops(spec, recording, timing_repeats, sync)
+    if workspace and not fake and (device is None or device.type == "cpu"):
+        _measure_workspace(spec, recording)
+    return recording
+
+
+def _run_error(spec: StepSpec, rec: _Recorder, e: Exception) -> CkptPlannerError:
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    where = _where(rec, e)
+    if isinstance(e, DataDependentOutputException | DynamicOutputShapeException):
+        return ModelRunError(
+            f"estimate mode cannot run {type(spec.model).__name__}: in module {where!r}, the "
+            f"model's code needs tensor values ({type(e).__name__}: {e}), which fake tensors do "
+            "not have. Profile it in measure mode (on a machine that can run one step of it, "
+            "possibly at a smaller batch), or make that branch depend on shapes only."
+        )
+    phase = {"forward": "forward", "loss": "loss_fn", "backward": "backward"}.get(rec.phase,
+                                                                                   rec.phase)
+    return ModelRunError(
+        f"{type(spec.model).__name__}'s training step raised in its {phase}"
+        + (f", in module {where!r}" if phase == "forward" else "")
+        + f": {type(e).__name__}: {e}. The planner runs one step (model(**inputs), loss_fn, "
+        "backward) exactly as training would: check that the example inputs are what the model "
+        "takes and that loss_fn returns a scalar."
+    )
+
+
+def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes) -> Recording:
+    """Placeholders first, then ops; record indices shifted accordingly; saves and releases."""
+    n_ph = len(rec.placeholders)
+
+    def shift(i: int) -> int:
+        return i + n_ph if i >= 0 else -1 - i  # placeholders: owner index -1 - k
+
+    ops = rec.placeholders + rec.ops
+    for r in rec.ops:
+        r.inputs = [shift(i) for i in r.inputs]
+        if r.grad_of is not None:
+            r.grad_of = shift(r.grad_of)
+    for seq, sid in rec.packs:
+        f = rec.seq_owner.get(seq)
+        if f is not None:
+            rec.ops[f].saves.add(sid)
+    last = len(ops) - 1
+    for sid in range(len(rec.storage_bytes)):
+        if sid in rec.fixed_kind:
+            continue
+        # never released: something outside the step holds it (a cache on a module)
+        pos = rec.release_at.get(sid, last - n_ph)
+        target = min(max(pos + n_ph, n_ph), last)
+        ops[target].releases.append(sid)
+
+    def owner_of(sid: int) -> int:
+        return shift(rec.owner[sid])
+
+    calls = [ModuleCall(c.module, c.start + n_ph, c.end + n_ph, c.holds) for c in rec.calls]
+    # by first op, the outer of two calls first (also where they span the same ops)
+    calls.sort(key=lambda c: (c.start, -c.end, c.module.count(".") + (c.module != "")))
+    named = dict(spec.model.named_parameters())
+    return Recording(
+        ops=ops,
+        storage_bytes=rec.storage_bytes,
+        calls=calls,
+        loss=owner_of(loss_sid),
+        grads=[owner_of(s) for s in grad_sids],
+        outputs=[owner_of(s) for s in out_sids if s in rec.owner],
+        param_names=list(spec.params),
+        trainable={k: bool(named[k].requires_grad) if k in named else bool(v.requires_grad)
+                   for k, v in spec.params.items()},
+        input_shapes=input_shapes,
+        module_paths=[n for n, _ in spec.model.named_modules()],
+        sequential={
+            n: list(m._modules)
+            for n, m in spec.model.named_modules()
+            if isinstance(m, torch.nn.Sequential) and type(m).forward is torch.nn.Sequential.forward
+            and "forward" not in m.__dict__
+        },
+    )
+
+
+_ALIGN_SKIP = frozenset({"aten.detach.default"})
+"""Ops that autograd issues or not depending on whether saved-tensor hooks are set (saved outputs
+are detached for the unpack): left out when runs are matched op for op; they cost nothing."""
+
+
+def _align(ops: list[OpRecord], names: list[str]) -> list[int | None] | None:
+    """For each op of the structure pass, its position in a light pass's `names`; None when the
+    light pass ran another sequence of ops (value-dependent code taking another branch)."""
+    mine = [k for k, r in enumerate(ops) if r.op not in _ALIGN_SKIP]
+    theirs = [j for j, n in enumerate(names) if n not in _ALIGN_SKIP]
+    if [ops[k].op for k in mine] != [names[j] for j in theirs]:
+        return None
+    out: list[int | None] = [None] * len(ops)
+    for k, j in zip(mine, theirs, strict=True):
+        out[k] = j
+    return out
+
+
+def _time_ops(spec: StepSpec, recording: Recording, repeats: int, sync) -> None:
+    """Median time of every op over `repeats` runs (after one warm-up), set on the records. A
+    run that dispatches another sequence of ops than the structure pass (value-dependent code
+    taking another branch) is left out."""
+    ops = [r for r in recording.ops if r.phase in ("forward", "loss", "backward")
+           and r.op != "getitem"]
+    runs: list[list[float]] = []
+    for k in range(repeats + 1):
+        rec = _Recorder(timed=True, structure=False, sync=sync)
+        with restoring(spec), rec:
+            run_step(spec, rec, hooks=False)
+        where = _align(ops, rec.names)
+        if k == 0 or where is None:
+            continue
+        runs.append([0.0 if j is None else rec.times[j] for j in where])
+    if not runs:
+        return
+    for j, r in enumerate(ops):
+        r.time_ms = round(statistics.median(run[j] for run in runs), 6)
+    # one unrecorded step, for the step time the overheads are relative to
+    plain = []
+    for _ in range(max(2, repeats) + 1):
+        with restoring(spec):
+            sync()
+            t0 = time.perf_counter()
+            run_step(spec, None, hooks=False)
+            sync()
+            plain.append((time.perf_counter() - t0) * 1e3)
+    recording.step_ms = round(statistics.median(plain[1:]), 3)
+
+
+def _measure_workspace(spec: StepSpec, recording: Recording) -> None:
+    """Bytes each op allocates and frees again while it runs (beyond its outputs), from the
+    profiler's allocation events inside a per-op `record_function` window: the peak of the
+    running sum within the window minus what is still held at its end."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    ops = [r for r in recording.ops if r.phase in ("forward", "loss", "backward")
+           and r.op != "getitem"]
+    rec = _Recorder(structure=False, marked=True)
+    with restoring(spec), torch_profile(activities=[ProfilerActivity.CPU],
+                                         profile_memory=True) as prof, rec:
+        run_step(spec, rec, hooks=False)
+    where = _align(ops, rec.names)
+    if where is None:
+        return
+    at = {j: k for k, j in enumerate(where) if j is not None}
+
+    def allocations(e, acc):
+        for c in e.children:
+            if c.tag == _EventType.Allocation:
+                acc.append((c.start_time_ns, c.extra_fields.alloc_size))
+            else:
+                allocations(c, acc)
+        return acc
+
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.name.startswith("ckpt_op::"):
+            cur = peak = 0
+            for _, delta in sorted(allocations(e, [])):
+                cur += delta
+                peak = max(peak, cur)
+            ws = peak - max(cur, 0)
+            if ws > 0:
+                k = at.get(int(e.name.removeprefix("ckpt_op::")))
+                if k is not None:
+                    ops[k].workspace_bytes = ws
+        else:
+            todo.extend(e.children)
+

@@ -1,0 +1,323 @@
+"""Put a schedule onto the user's own modules, and take it off again.
+
+Each region of a recorded profile's schedule is one module (`Region.module`); applying it sets that
+module's `forward` (an instance attribute, so the class, parameters, buffers, `state_dict` keys and
+hooks are untouched) to a wrapper that runs the original forward under non-reentrant
+`torch.utils.checkpoint`:
+
+- a selective policy keeps the outputs the schedule saves (`Region.save_ops`: the k-th op of an
+  overload within one call, so the policy does not depend on input shapes);
+- the RNG state is preserved where the region draws random numbers (dropout masks replay);
+- buffers the region updates in place (BatchNorm statistics) are swapped for copies while the
+  replay runs, so they move once per step, as without checkpointing.
+
+With gradients disabled (evaluation, `generate`) the wrapper calls the original forward directly.
+A region that is a run of an `nn.Sequential`'s children (`Region.segment`) sets the Sequential's
+`forward` to one that runs its children in order, each run under its own checkpoint, as
+`torch.utils.checkpoint.checkpoint_sequential` does.
+
+`remove(model)` restores every wrapped module's previous `forward`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from planner.capture.record import op_name
+from solvers.errors import CkptPlannerError, ScheduleError
+from solvers.schedule import Region, Schedule
+
+__all__ = ["AppliedPlan", "CheckpointedForward", "SegmentedForward", "applied", "apply_schedule",
+           "applying", "remove"]
+
+_ATTR = "_ckpt_planner_applied"
+
+
+@dataclass
+class AppliedPlan:
+    """What `apply_schedule` changed on a model, so that `remove` can undo it."""
+
+    schedule: Schedule
+    wrapped: dict[str, CheckpointedForward | SegmentedForward]
+    """Module path -> the wrapper set as that module's `forward`."""
+
+
+def _policy_keys(region: Region) -> dict[str, frozenset[int]]:
+    keys: dict[str, set[int]] = {}
+    for key in region.save_ops:
+        op, _, k = key.rpartition("#")
+        if not op or not k.isdigit():
+            raise ScheduleError(f"region of {region.module!r}: save_ops entry {key!r} is not "
+                                "'<aten overload>#<k>'")
+        keys.setdefault(op, set()).add(int(k))
+    return {op: frozenset(ks) for op, ks in keys.items()}
+
+
+@contextlib.contextmanager
+def _buffer_copies(slots: list[tuple[torch.nn.Module, str]]) -> Iterator[None]:
+    """Swap buffers for copies while a replay runs: its in-place updates land on the copies."""
+    saved = []
+    for mod, attr in slots:
+        b = mod._buffers.get(attr)
+        if b is not None:
+            saved.append((mod, attr, b))
+            mod._buffers[attr] = b.clone()
+    try:
+        yield
+    finally:
+        for mod, attr, b in saved:
+            mod._buffers[attr] = b
+
+
+class _RegionRunner:
+    """Runs a function under non-reentrant checkpoint as a region says: selective policy, RNG
+    preservation, buffer copies during the replay."""
+
+    def __init__(self, region: Region, root: torch.nn.Module):
+        self.region = region
+        self._keys = _policy_keys(region)
+        self._slots = []
+        for name in region.buffers:
+            prefix, _, attr = name.rpartition(".")
+            try:
+                owner = root.get_submodule(prefix) if prefix else root
+            except AttributeError:
+                raise ScheduleError(
+                    f"region of {region.module!r} updates buffer {name!r}, which this model does "
+                    "not have: the schedule was made for another model"
+                ) from None
+            self._slots.append((owner, attr))
+
+    def remap(self, memo: dict[int, Any]) -> _RegionRunner:
+        new = _RegionRunner.__new__(_RegionRunner)
+        new.region, new._keys = self.region, self._keys
+        new._slots = [(memo.get(id(m), m), a) for m, a in self._slots]
+        return new
+
+    def context_fn(self):
+        keys = self._keys
+        if keys:
+            counts: dict[str, int] = {}
+
+            def policy(ctx, func, *args, **kwargs):
+                if ctx.is_recompute:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+                name = op_name(func)
+                k = counts.get(name, 0)
+                counts[name] = k + 1
+                if k in keys.get(name, ()):
+                    return CheckpointPolicy.MUST_SAVE
+                return CheckpointPolicy.PREFER_RECOMPUTE
+
+            fwd, rec = create_selective_checkpoint_contexts(policy)
+        else:
+            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+        if not self._slots:
+            return fwd, rec
+        slots = self._slots
+
+        @contextlib.contextmanager
+        def recompute():
+            with _buffer_copies(slots), rec:  # copies first: the selective replay must not see
+                yield                         # the clones among the ops it replays
+
+        return fwd, recompute()
+
+    def run(self, fn, *args: Any) -> Any:
+        return checkpoint(fn, *args, use_reentrant=False,
+                          preserve_rng_state=self.region.preserve_rng,
+                          context_fn=self.context_fn)
+
+
+class CheckpointedForward:
+    """A module's `forward`, run under non-reentrant checkpoint as its region says.
+
+    An object rather than a closure so that `copy.deepcopy(model)` gives the copy a wrapper of
+    its own module (a closure would keep running the original's), and so that
+    `inspect.signature(module.forward)` still shows the original signature (`__wrapped__`), which
+    HF's `Trainer` reads to drop unused columns.
+    """
+
+    def __init__(self, module: torch.nn.Module, region: Region, root: torch.nn.Module,
+                 previous: Any = None):
+        self.module = module
+        self.region = region
+        self.previous = previous
+        """The instance-level `forward` the module had before (accelerate's hooks), or None."""
+        self._orig = previous if previous is not None else type(module).forward.__get__(module)
+        functools.update_wrapper(self, self._orig)
+        self._runner = _RegionRunner(region, root)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointedForward:
+        module = memo.get(id(self.module), self.module)
+        new = CheckpointedForward.__new__(CheckpointedForward)
+        new.__dict__.update(self.__dict__)
+        new.module = module
+        new._orig = type(module).forward.__get__(module) if self.previous is None else \
+            self.previous
+        new.__wrapped__ = new._orig
+        new._runner = self._runner.remap(memo)
+        return new
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self._orig(*args, **kwargs)
+        fn = functools.partial(self._orig, **kwargs) if kwargs else self._orig
+        return self._runner.run(fn, *args)
+
+
+class SegmentedForward:
+    """An `nn.Sequential`'s forward that runs some runs of its children as checkpointed regions
+    (`checkpoint_sequential`'s segments, chosen by the plan)."""
+
+    def __init__(self, module: torch.nn.Sequential, regions: list[Region], root: torch.nn.Module):
+        self.module = module
+        self.previous = None
+        self.region = regions[0]
+        self.regions = sorted(regions, key=lambda r: r.segment)
+        n = len(module)
+        last = -1
+        for r in self.regions:
+            i, j = r.segment
+            if not (0 <= i < j < n) or i <= last:
+                raise ScheduleError(
+                    f"segments {[r.segment for r in self.regions]} of {r.module!r} overlap or "
+                    f"are out of range for its {n} children: the schedule was made for another "
+                    "model"
+                )
+            last = j
+        self._runners = {r.segment[0]: (r.segment[1], _RegionRunner(r, root))
+                         for r in self.regions}
+        functools.update_wrapper(self, type(module).forward.__get__(module))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SegmentedForward:
+        new = SegmentedForward.__new__(SegmentedForward)
+        new.__dict__.update(self.__dict__)
+        new.module = memo.get(id(self.module), self.module)
+        new._runners = {i: (j, r.remap(memo)) for i, (j, r) in self._runners.items()}
+        new.__wrapped__ = type(new.module).forward.__get__(new.module)
+        return new
+
+    def __call__(self, input: Any) -> Any:
+        children = list(self.module._modules.values())
+        if not torch.is_grad_enabled():
+            for m in children:
+                input = m(input)
+            return input
+        k = 0
+        while k < len(children):
+            seg = self._runners.get(k)
+            if seg is None:
+                input = children[k](input)
+                k += 1
+                continue
+            j, runner = seg
+            input = runner.run(functools.partial(_run_children, children[k:j + 1]), input)
+            k = j + 1
+        return input
+
+
+def _run_children(children: list[torch.nn.Module], input: Any) -> Any:
+    for m in children:
+        input = m(input)
+    return input
+
+
+def applied(model: torch.nn.Module) -> AppliedPlan | None:
+    """The plan applied to `model` by `apply_schedule`, or None."""
+    return model.__dict__.get(_ATTR)
+
+
+def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Module:
+    """Wrap each region's module of `schedule` in place; returns `model` itself.
+
+    Raises ScheduleError for a region that is not a module call (a node range of a traced
+    profile, or a baseline segment spanning several modules), for a module path the model does
+    not have, and when a plan is already applied (call `remove` first)."""
+    if applied(model) is not None:
+        raise CkptPlannerError(
+            "a plan is already applied to this model; call planner.remove(model) before "
+            "applying another"
+        )
+    targets: dict[str, tuple[torch.nn.Module, list[Region]]] = {}
+    for k, r in enumerate(schedule.regions):
+        if r.module is None:
+            raise ScheduleError(
+                f"region {k} ({r.start}..{r.end}) is not a module call, so it cannot be applied to "
+                f"the model in place (schedule method {schedule.method!r}); plan from a profile "
+                "recorded by planner.profile, with a method whose regions are module calls"
+            )
+        try:
+            module = model.get_submodule(r.module) if r.module else model
+        except AttributeError:
+            raise ScheduleError(
+                f"region {k} wraps module {r.module!r}, which this model does not have: the "
+                "schedule was made for another model; re-plan"
+            ) from None
+        if r.segment is not None and not isinstance(module, torch.nn.Sequential):
+            raise ScheduleError(f"region {k} is a segment of {r.module!r}, which is a "
+                                f"{type(module).__name__}, not an nn.Sequential")
+        if r.module in targets:
+            others = targets[r.module][1]
+            if r.segment is None or any(o.segment is None for o in others):
+                raise ScheduleError(
+                    f"module {r.module!r} is the region of two regions of the schedule")
+            others.append(r)
+        else:
+            targets[r.module] = (module, [r])
+    wrapped: dict[str, CheckpointedForward | SegmentedForward] = {}
+    for path, (module, regions) in targets.items():
+        previous = module.__dict__.get("forward")
+        if isinstance(previous, CheckpointedForward | SegmentedForward):
+            raise CkptPlannerError(f"module {path!r} is already checkpointed by ckpt-planner")
+        if regions[0].segment is not None:
+            if previous is not None:
+                raise CkptPlannerError(
+                    f"module {path!r} has a forward of its own set on the instance; its children "
+                    "cannot be checkpointed as segments"
+                )
+            wrapper: CheckpointedForward | SegmentedForward = SegmentedForward(
+                module, regions, model)
+        else:
+            wrapper = CheckpointedForward(module, regions[0], model, previous)
+        module.__dict__["forward"] = wrapper
+        wrapped[path] = wrapper
+    model.__dict__[_ATTR] = AppliedPlan(schedule=schedule, wrapped=wrapped)
+    return model
+
+
+@contextlib.contextmanager
+def applying(model: torch.nn.Module, schedule: Schedule) -> Iterator[torch.nn.Module]:
+    """Apply `schedule` for the duration of a block (measuring one plan among several)."""
+    apply_schedule(model, schedule)
+    try:
+        yield model
+    finally:
+        remove(model)
+
+
+def remove(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `apply_schedule`: every wrapped module gets its previous `forward` back. A model with
+    no plan applied is returned unchanged."""
+    plan = model.__dict__.pop(_ATTR, None)
+    if plan is None:
+        return model
+    for wrapper in plan.wrapped.values():
+        module = wrapper.module
+        if module.__dict__.get("forward") is wrapper:
+            if wrapper.previous is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = wrapper.previous
+    return model

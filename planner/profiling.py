@@ -1,0 +1,217 @@
+"""`profile(model, example_inputs)`: one training step of the user's model as a `solvers.Profile`.
+
+The pipeline, each stage importing only the ones before it:
+capture (`planner.capture.record`, estimate mode in `planner.capture.estimate`) -> assembly
+(`planner.assemble`) -> calibration of checkpoint's own cost (`planner.calibrate`, which applies
+a plan in place to time it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from planner.assemble import to_profile
+from planner.calibrate import checkpoint_costs, region_cost_on_model, selective_op_cost
+from planner.capture.estimate import Faker, gpu_kernels, roofline_times
+from planner.capture.record import StepSpec, default_loss, record_step, split_inputs
+from planner.devices import DeviceSpec, get_device
+from solvers.errors import CkptPlannerError
+from solvers.profile import Profile
+
+__all__ = ["device_name", "dominant_dtype", "optimizer_bytes", "profile", "step_spec"]
+
+
+def step_spec(model: torch.nn.Module, example_inputs: Any,
+              loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepSpec:
+    """The training step the planner runs: ``loss_fn(model(*args, **kwargs))`` and the gradients
+    of every parameter that requires grad, on the model's own tensors."""
+    args, kwargs = split_inputs(example_inputs)
+    return StepSpec(
+        model=model, args=args, kwargs=kwargs, loss_fn=loss_fn or default_loss,
+        params=dict(model.named_parameters()), buffers=dict(model.named_buffers()),
+        call=lambda: model(*args, **kwargs),
+    )
+
+
+def _device_of(model: torch.nn.Module, example_inputs: Any) -> torch.device:
+    for t in [*model.parameters(), *model.buffers(),
+              *[x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]]:
+        if t.device.type != "cpu":
+            return t.device
+    return torch.device("cpu")
+
+
+def dominant_dtype(model: torch.nn.Module) -> str:
+    """The dtype most of the model's parameter elements have (``float32``, ``bfloat16``)."""
+    counts: dict[str, int] = {}
+    for p in model.parameters():
+        k = str(p.dtype).removeprefix("torch.")
+        counts[k] = counts.get(k, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else "float32"
+
+
+def device_name(device: torch.device) -> str:
+    """A human name for the device: the GPU's, or the CPU's model name."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
+    """(state bytes held between steps, transient bytes of one step) for a known optimizer."""
+    if optimizer is None:
+        return 0, 0
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    pbytes = sum(p.numel() * p.element_size() for p in trainable)
+    name = type(optimizer).__name__
+    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
+        # exp_avg and exp_avg_sq, each like the parameter (Kingma & Ba 2015); `step` is a scalar.
+        state = 2 * pbytes
+    elif name == "SGD":
+        state = pbytes if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    elif name in ("Adagrad", "RMSprop"):
+        state = pbytes
+    else:
+        raise CkptPlannerError(
+            f"optimizer {name} is not modelled; supported: Adam, AdamW, NAdam, RAdam, Adamax, "
+            "SGD, Adagrad, RMSprop (or pass optimizer=None and add its state to the budget)"
+        )
+    # The foreach implementations allocate temporaries for a whole parameter group at once (Adam:
+    # the denominator sqrt(exp_avg_sq) + eps, one tensor per parameter); we take the largest
+    # group's parameter bytes as the transient.
+    step = max(
+        (sum(p.numel() * p.element_size() for p in g["params"] if p.requires_grad)
+         for g in optimizer.param_groups),
+        default=0,
+    )
+    return state, step
+
+
+class _Progress:
+    def __init__(self, on: bool):
+        self.on = on
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        if self.on:
+            print(f"[{time.perf_counter() - self.t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def profile(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    mode: str = "measure",
+    device: str | DeviceSpec | None = None,
+    repeats: int = 5,
+    progress: bool = False,
+) -> Profile:
+    """Profile one training step of `model` on `example_inputs`.
+
+    The model's own code runs once under the recorder (forward, ``loss_fn``, backward), then, in
+    measure mode, `repeats` more times to time every op; its parameters, buffers (BatchNorm
+    statistics), gradients and RNG are left as they were.
+
+    Args:
+        model: the model you train, in training mode.
+        example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments:
+            the largest batch you will train with (memory is planned for it).
+        loss_fn: maps the model's output to a scalar loss. Default: ``output.loss`` where the output
+            has one (HF models given ``labels``), else the float mean of the first output tensor.
+        optimizer: when given, its state (e.g. Adam: two tensors per parameter) and the transient
+            memory of its step are part of the profile and of every budget.
+        mode: ``"measure"`` runs on the model's device and times every op (median of `repeats`);
+            ``"estimate"`` runs on fake tensors (no memory for weights or activations; a model on
+            the meta device works) and estimates times by roofline on `device`.
+        device: estimate mode: a name from `planner.devices.DEVICES` (``"h100"``) or a DeviceSpec.
+        progress: print what it is doing to stderr.
+    """
+    if mode not in ("measure", "estimate"):
+        raise ValueError(f"mode={mode!r}: expected 'measure' or 'estimate'")
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):  # the user's RNG streams do not move
+        return _profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, mode=mode,
+                        device=device, repeats=repeats, progress=progress)
+
+
+def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats,
+             progress) -> Profile:
+    say = _Progress(progress)
+    dtype = dominant_dtype(model)
+    opt_state, opt_step = optimizer_bytes(optimizer)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    model_class = f"{type(model).__module__}.{type(model).__qualname__}"
+    if mode == "estimate":
+        spec_dev = device if isinstance(device, DeviceSpec) else get_device(device or "h100")
+        fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
+        fake = Faker(fake_mode)
+        params = {k: fake(v) for k, v in model.named_parameters()}
+        buffers = {k: fake(v) for k, v in model.named_buffers()}
+        args, kwargs = split_inputs(example_inputs)
+        args, kwargs = pytree.tree_map(
+            lambda x: fake(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        state = {**params, **buffers}
+        spec = StepSpec(
+            model=model, args=args, kwargs=kwargs, loss_fn=loss_fn or default_loss,
+            params=params, buffers=buffers,
+            call=lambda: torch.func.functional_call(model, state, args, kwargs),
+        )
+        say(f"recording one step on fake tensors ({spec_dev.name} estimate)")
+        kernels = gpu_kernels() if spec_dev.kind != "cpu" else contextlib.nullcontext()
+        with fake_mode, kernels:
+            rec = record_step(spec, fake=True)
+        roofline_times(rec.ops, spec_dev, dtype)
+        say(f"recorded {len(rec.ops)} ops")
+        return to_profile(
+            rec, model_class=model_class, device=spec_dev.kind, device_name=spec_dev.name,
+            mode=mode, dtype=dtype, torch_version=torch.__version__, grad_bytes=grad_bytes,
+            optimizer_state_bytes=opt_state, optimizer_step_bytes=opt_step,
+        )
+
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise CkptPlannerError(
+            "the model has parameters on the meta device, which cannot be run; use "
+            "mode='estimate' to profile it without materialising weights"
+        )
+    dev = _device_of(model, example_inputs)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    spec = step_spec(model, example_inputs, loss_fn)
+    say("recording one training step (forward, loss, backward)")
+    rec = record_step(spec, timing_repeats=max(1, repeats), workspace=dev.type == "cpu",
+                      device=dev)
+    say(f"recorded {len(rec.ops)} ops; calibrating checkpoint's own cost")
+    prof = to_profile(
+        rec, model_class=model_class, device=dev.type, device_name=device_name(dev),
+        mode=mode, dtype=dtype, torch_version=torch.__version__, grad_bytes=grad_bytes,
+        optimizer_state_bytes=opt_state, optimizer_step_bytes=opt_step,
+    )
+    region_ms, tensor_ms, sel_ms = checkpoint_costs(dev, sync)
+    sel_model = selective_op_cost(spec, repeats, sync)
+    prof = dataclasses.replace(prof, meta=dataclasses.replace(
+        prof.meta, checkpoint_region_ms=region_ms, checkpoint_saved_tensor_ms=tensor_ms,
+        checkpoint_selective_op_ms=max(sel_ms, sel_model)))
+    say("measuring checkpoint's per-region cost on this model")
+    on_model = region_cost_on_model(prof, spec, repeats, sync)
+    if on_model is not None and on_model > prof.meta.checkpoint_region_ms:
+        prof = dataclasses.replace(
+            prof, meta=dataclasses.replace(prof.meta, checkpoint_region_ms=on_model))
+    say("profiled")
+    return prof

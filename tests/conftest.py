@@ -1,0 +1,30 @@
+"""Shared test setup.
+
+Lanes: ``pytest tests/solvers`` is torch-free and runs in seconds; ``pytest -m "not slow"`` is the
+quick lane (everything but whole-model sweeps, notebooks and distributed runs); plain ``pytest``
+runs everything, as CI does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `tests.models`, `tests.zoo`, `tests.solver_cases` importable
+    sys.path.insert(0, str(ROOT))
+
+# Tests never reach the network for Hugging Face models or tokenizers.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def solver_cases():
+    """The hand-built profiles of `tests.solver_cases`, built once per session."""
+    from tests.solver_cases import CASES
+
+    return {name: build() for name, build in CASES.items()}

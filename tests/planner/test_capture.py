@@ -1,0 +1,336 @@
+"""`planner.profile` (one real step, recorded) against the truth: measured memory, FlopCounterMode,
+the model's own state, and the errors a user meets.
+
+Every TINY model is profiled once in measure mode (``repeats=1``) and shared by the tests below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from planner import ModelRunError, profile
+from planner.capture.record import split_inputs
+from planner.devices import cpu_spec
+from planner.measurement import measure
+from solvers.errors import CkptPlannerError
+from solvers.simulate import simulate
+from tests.models import TINY, hf_gpt2, hf_llama, mlp_dropout
+
+NAMES = list(TINY)
+MATMUL_OPS = (
+    "aten.mm.",
+    "aten.addmm.",
+    "aten.bmm.",
+    "aten.baddbmm.",
+    "aten.convolution.",
+    "aten._scaled_dot_product_flash_attention_for_cpu.",
+)
+SIZES = {
+    "mlp_dropout": dict(batch=256, dim=64, depth=3),
+    "gpt_eager": dict(batch=2, seq=32, dim=64, heads=4, layers=2, vocab=128),
+    "hf_gpt2": dict(batch=2, seq=32, layers=2, n_embd=64, n_head=4, vocab=256),
+    "hf_llama": dict(batch=2, seq=32, layers=2, hidden=64, heads=4, kv_heads=2,
+                     intermediate=128, vocab=256),
+    "resnet_bn": dict(batch=4, width=8, blocks=(1, 1), image=32),
+    "unet": dict(batch=2, base=4, depth=2, image=32),
+    "ln_linear_stack": dict(batch=8, seq=32, dim=64, n=4),
+    "deep_narrow_cnn": dict(batch=2, channels=4, depth=8, image=32),
+}
+
+
+def build(name: str):
+    model, x = TINY[name](**SIZES[name])
+    model.train()
+    return model, x
+
+
+@functools.cache
+def _profiled(name: str):
+    model, x = build(name)
+    return model, x, profile(model, x, repeats=1)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        **{f"p:{k}": v.detach().clone() for k, v in model.named_parameters()},
+        **{f"b:{k}": v.detach().clone() for k, v in model.named_buffers()},
+    }
+
+
+# -- memory ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_unplanned_peak_matches_measured(name):
+    """The recorded lifetimes (what the model's code and autograd keep alive) reproduce the
+    allocator's peak of the eager step."""
+    model, x, prof = _profiled(name)
+    measured = measure(model, x, repeats=1).peak_bytes
+    assert abs(simulate(prof).peak_bytes - measured) <= 0.005 * measured
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_saved_bytes_match_measured_retained(name):
+    model, x, prof = _profiled(name)
+    retained = measure(model, x, repeats=1).retained_bytes
+    assert prof.saved_bytes > 0
+    assert abs(prof.saved_bytes - retained) / retained < 0.02, (prof.saved_bytes, retained)
+
+
+def test_releases_record_what_python_keeps_alive():
+    """A tensor the module's code keeps in a local past its last reader lives until the local
+    goes: the recorded release is after the last reader, and the simulated peak sees it."""
+
+    class Holds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+            self.b = nn.Linear(64, 64)
+
+        def forward(self, x):
+            big = torch.cat([x] * 8, dim=1)  # 8x wider, read once, kept in a local
+            y = self.a(big[:, :64].relu())
+            z = self.b(y).relu()
+            return z + y, big.shape  # `big` dies when forward returns
+
+    model, x = Holds(), torch.randn(256, 64)
+    prof = profile(model, x, loss_fn=lambda out: out[0].sum(), repeats=1)
+    cat = next(n for n in prof.nodes if n.op == "aten.cat.default")
+    (s,) = cat.new_storages
+    released_at = next(i for i, n in enumerate(prof.nodes) if s in n.releases)
+    last_reader = max(i for i, n in enumerate(prof.nodes) if cat.name in n.inputs)
+    assert released_at > last_reader
+    measured = measure(model, x, lambda out: out[0].sum(), repeats=1).peak_bytes
+    assert simulate(prof).peak_bytes == pytest.approx(measured, rel=0.005)
+
+
+# -- FLOPs -----------------------------------------------------------------------------------------
+def test_cpu_sdpa_flop_formula_is_registered():
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None:
+        pytest.skip("this torch has no CPU flash-attention kernel")
+    assert op.default in flop_registry or op in flop_registry
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_flops_match_flop_counter(name):
+    model, x, prof = _profiled(name)
+    forward = [n for n in prof.nodes if n.phase == "forward"]
+    ours = sum(n.flops for n in forward if n.op.startswith(MATMUL_OPS))
+    assert ours == sum(n.flops for n in forward), "FLOPs on an op that is not a matmul/conv"
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    args, kwargs = split_inputs(x)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        torch.func.functional_call(model, {**dict(model.named_parameters()), **buffers},
+                                   args, kwargs)
+    assert ours == counter.get_total_flops() > 0
+
+
+# -- structure -------------------------------------------------------------------------------------
+def test_module_calls_and_blocks():
+    _, _, prof = _profiled("hf_llama")
+    mods = [c.module for c in prof.calls]
+    assert "model.layers.0" in mods and "model.layers.1.mlp" in mods
+    layer = next(c for c in prof.calls if c.module == "model.layers.0")
+    assert not layer.blocker
+    names = [n.name for n in prof.nodes]
+    inside = prof.nodes[names.index(layer.start):names.index(layer.end) + 1]
+    assert all(n.phase == "forward" and n.module.startswith("model.layers.0") for n in inside
+               if n.op != "getitem")
+
+
+def test_use_cache_blocks_layers_that_store_into_the_cache():
+    """With use_cache=True an HF layer stores its keys and values into the cache object it is
+    given: replaying it would store them again, so it cannot be a region."""
+    model, x = hf_llama(batch=2, seq=16, layers=2, hidden=32, heads=2, kv_heads=1,
+                        intermediate=64, vocab=64)
+    x = {**x, "use_cache": True}
+    prof = profile(model, x, repeats=1)
+    blocked = {c.module: c.blocker for c in prof.calls if c.blocker}
+    assert "use_cache=False" in blocked["model.layers.0"]
+    assert "model.layers.0.mlp" not in blocked  # the MLP does not touch the cache
+
+
+def test_module_called_twice_is_blocked():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+            self.g = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.g(self.f(self.f(x)))
+
+    prof = profile(Twice(), torch.randn(32, 16), repeats=1)
+    assert all("called 2 times" in c.blocker for c in prof.calls if c.module == "f")
+    assert not next(c for c in prof.calls if c.module == "g").blocker
+
+
+# -- no side effects -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["mlp_dropout", "resnet_bn", "hf_gpt2"])
+def test_profile_does_not_change_model_or_rng(name):
+    model, x = build(name)
+    before = _state(model)
+    torch.manual_seed(1234)
+    rng = torch.random.get_rng_state()
+    profile(model, x, repeats=1)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    after = _state(model)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    assert model.training
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+# -- value-dependent code --------------------------------------------------------------------------
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent Python control flow
+            return self.b(h)
+        return h * float(h.abs().max().item())
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Branchy()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_value_dependent_model_profiles_in_measure_mode():
+    prof = profile(_Outer(), torch.randn(4, 8), repeats=1)
+    assert any(n.op == "aten._local_scalar_dense.default" for n in prof.nodes)
+    assert not next(c for c in prof.calls if c.module == "inner").blocker
+
+
+def test_value_dependent_model_in_estimate_mode_names_the_module():
+    with pytest.raises(ModelRunError, match=r"estimate mode.*'inner'.*measure mode"):
+        profile(_Outer(), torch.randn(4, 8), mode="estimate")
+
+
+def test_model_error_names_the_module_and_keeps_the_cause():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(8, 8)
+            self.dec = nn.Linear(16, 8)  # wrong width
+
+        def forward(self, x):
+            return self.dec(self.enc(x))
+
+    with pytest.raises(ModelRunError, match=r"in module 'dec'.*RuntimeError") as info:
+        profile(Bad(), torch.randn(4, 8), repeats=1)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_measure_mode_on_meta_model_raises():
+    with torch.device("meta"):
+        model = nn.Linear(8, 8)
+    with pytest.raises(CkptPlannerError, match="meta device.*estimate"):
+        profile(model, torch.randn(4, 8, device="meta"), repeats=1)
+
+
+def test_frozen_model_is_refused():
+    model = nn.Linear(8, 8).requires_grad_(False)
+    with pytest.raises(CkptPlannerError, match="requires grad"):
+        profile(model, torch.randn(4, 8), repeats=1)
+
+
+# -- estimate mode ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["mlp_dropout", "resnet_bn", "gpt_eager"])
+def test_estimate_mode_matches_measure_mode_memory(name):
+    """On fake tensors the same ops run and allocate the same storages. (HF models take their
+    tracing-safe mask path on fake tensors, so their estimates differ slightly.)"""
+    model, x, measured = _profiled(name)
+    est = profile(model, x, mode="estimate", device=cpu_spec(measure=False))
+    assert est.storage_bytes == measured.storage_bytes
+    assert est.saved_bytes == measured.saved_bytes
+    assert [n.name for n in est.nodes] == [n.name for n in measured.nodes]
+    assert [n.flops for n in est.nodes] == [n.flops for n in measured.nodes]
+    assert est.meta.mode == "estimate" and est.meta.step_ms_measured is None
+    compute = [n for n in est.nodes if n.phase == "forward" and n.op.startswith(MATMUL_OPS)]
+    assert compute and all(n.time_ms > 0 for n in compute)
+
+
+def test_estimate_for_gpu_keeps_dropout_masks_as_bool():
+    """On CUDA/ROCm dropout runs ``native_dropout``, which keeps a 1-byte mask; the CPU's
+    ``bernoulli_`` mask has the input's dtype."""
+    model, x = mlp_dropout(batch=64, dim=32, depth=2)
+    cpu = profile(model, x, mode="estimate", device=cpu_spec(measure=False))
+    gpu = profile(model, x, mode="estimate", device="h100")
+    drops = [n for n in gpu.nodes if n.op == "aten.native_dropout.default"]
+    assert drops and not any(n.op == "aten.native_dropout.default" for n in cpu.nodes)
+    masks = [gpu.storage_bytes[s] for n in drops for s in n.new_storages]
+    assert 64 * 32 in masks  # one byte per element
+    assert gpu.saved_bytes < cpu.saved_bytes
+
+
+def test_estimate_for_gpu_fuses_attention_with_dropout():
+    """With attention dropout a CPU tensor takes SDPA's math path (seq x seq probabilities); a GPU
+    estimate keeps the fused kernel, as CUDA does."""
+    softmax = ("aten._softmax.default", "aten._safe_softmax.default")
+    model, x = hf_gpt2(batch=2, seq=32, layers=1, n_embd=64, n_head=4, vocab=128)
+    for mod in model.modules():
+        if hasattr(mod, "attn_dropout"):
+            mod.attn_dropout.p = 0.1
+    model.config.attn_pdrop = 0.1
+    cpu = profile(model, x, mode="estimate", device=cpu_spec(measure=False))
+    gpu = profile(model, x, mode="estimate", device="h100")
+    assert any(n.op in softmax for n in cpu.nodes)
+    assert any("_scaled_dot_product_flash_attention" in n.op for n in gpu.nodes)
+    assert not any(n.op in softmax for n in gpu.nodes)
+    assert gpu.saved_bytes < cpu.saved_bytes
+
+
+def test_estimate_mode_bf16_param_bytes():
+    model, x = mlp_dropout(batch=64, dim=64, depth=2)
+    model = model.to(torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    p = profile(model, x.to(torch.bfloat16), mode="estimate", device="h100")
+    assert p.param_bytes == p.grad_bytes == 2 * n_params
+    assert p.meta.dtype == "bfloat16" and p.step_ms > 0
+
+
+def test_estimate_meta_device_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    n_params = sum(p.numel() for p in model.parameters())
+    kw = {"input_ids": ids, "labels": ids, "use_cache": False}
+    p = profile(model, kw, mode="estimate", device="h100")
+    assert p.param_bytes == 2 * n_params
+    assert p.input_bytes == ids.numel() * 8  # input_ids and labels: one storage
+    assert p.saved_bytes > 0 and p.step_ms > 0
+    # Same architecture on real weights: identical memory picture.
+    real, inputs = hf_llama(batch=2, seq=64, layers=2, hidden=64, heads=4, kv_heads=2,
+                            intermediate=172, vocab=512)
+    real = real.to(torch.bfloat16)
+    q = profile(real, inputs, mode="estimate", device="h100")
+    assert q.saved_bytes == p.saved_bytes
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_profile_records_step_time_and_checkpoint_costs(name):
+    _, _, prof = _profiled(name)
+    assert prof.meta.mode == "measure" and prof.meta.capture == "run"
+    assert prof.meta.step_ms_measured is not None and prof.meta.step_ms_measured > 0
+    assert prof.meta.checkpoint_region_ms > 0
+    assert prof.step_ms > 0

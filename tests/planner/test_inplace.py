@@ -1,0 +1,428 @@
+"""Plans applied to the user's own modules: same model object, same training, the memory promised.
+
+Every TINY model is profiled once (small sizes) and planned at 70%, 50% and 30% of its activation
+memory above the fixed memory, ``F + f * (N - F)``, raised to the smallest feasible peak. Each plan
+is checked by `Plan.verify`: same loss, gradients allclose (rtol 1e-5), measured peak within the
+budget and equal to the prediction (1%).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+from planner.api import SLACK_BYTES, plan_from_profile
+from planner.capture.record import default_loss
+from planner.inplace import CheckpointedForward, SegmentedForward, applied, apply_schedule
+from planner.measurement import measure
+from solvers.chain import candidate_calls, region
+from solvers.errors import CkptPlannerError, ScheduleError
+from solvers.schedule import Region, Schedule
+from solvers.simulate import simulate
+from solvers.solve import BASELINES, finish, smallest_peak, solve
+from solvers.units import format_bytes
+from tests.models import TINY, call
+from tests.planner.test_capture import SIZES, build
+
+FRACTIONS = (0.7, 0.5, 0.3)
+
+
+class _Zoo:
+    """Each model built and profiled once per test module; plans cached by (model, budget)."""
+
+    def __init__(self):
+        self.entries: dict[str, dict] = {}
+        self.verified: dict[tuple[str, int], planner.Verification] = {}
+
+    def get(self, name: str) -> dict:
+        if name not in self.entries:
+            model, x = build(name)
+            prof = planner.profile(model, x, repeats=1)
+            least = smallest_peak(prof)
+            self.entries[name] = dict(model=model, x=x, prof=prof, N=simulate(prof).peak_bytes,
+                                      F=prof.fixed_bytes, smallest=least,
+                                      least=least + SLACK_BYTES)
+        return self.entries[name]
+
+    def budget(self, name: str, f: float) -> int:
+        e = self.get(name)
+        return max(int(e["F"] + f * (e["N"] - e["F"])), e["least"])
+
+    def plan(self, name: str, f: float) -> planner.Plan:
+        """The plan at fraction f, applied to the zoo's model (replacing any earlier plan)."""
+        e = self.get(name)
+        planner.remove(e["model"])
+        p = plan_from_profile(e["model"], e["prof"], budget_bytes=self.budget(name, f),
+                              method="dp")
+        p.example_inputs = e["x"]
+        return p
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return _Zoo()
+
+
+def loss_and_grads(model: nn.Module, x, seed: int = 0):
+    for p in model.parameters():
+        p.grad = None
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        loss = default_loss(call(model, x))
+        loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+def assert_grads_close(g0: dict, g1: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert g0.keys() == g1.keys()
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=rtol, atol=atol, msg=k)
+
+
+@pytest.mark.parametrize("f", FRACTIONS)
+@pytest.mark.parametrize("name", list(TINY))
+def test_plan_trains_identically_and_fits(zoo, name, f):
+    p = zoo.plan(name, f)
+    v = p.verify(repeats=1)
+    assert v.loss_planned == pytest.approx(v.loss_original, rel=1e-6)
+    assert v.max_grad_rel_err <= 1e-5
+    assert v.measured_peak_bytes <= p.budget_bytes
+    assert abs(v.predicted_peak_bytes - v.measured_peak_bytes) <= 0.01 * v.measured_peak_bytes
+
+
+# -- the model stays the model ----------------------------------------------------------------------
+def test_plan_returns_the_users_model_and_remove_restores_it():
+    model, x = build("hf_gpt2")
+    cls, keys = type(model), list(model.state_dict())
+    p = planner.plan(model, budget_bytes=_half(model, x), example_inputs=x, repeats=1)
+    assert p.module is model and type(model) is cls
+    assert list(model.state_dict()) == keys
+    assert p.schedule.regions and all(isinstance(model.get_submodule(r.module).forward,
+                                                 CheckpointedForward | SegmentedForward)
+                                      for r in p.schedule.regions)
+    l1, g1 = loss_and_grads(model, x)
+    planner.remove(model)
+    assert applied(model) is None
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    l0, g0 = loss_and_grads(model, x)
+    torch.testing.assert_close(l1, l0)
+    assert_grads_close(g0, g1)
+
+
+def test_planning_again_replaces_the_plan():
+    model, x = build("gpt_eager")
+    half = _half(model, x)
+    p1 = planner.plan(model, budget_bytes=half, example_inputs=x, repeats=1)
+    p2 = planner.plan(model, budget_bytes=int(half * 1.5), example_inputs=x, repeats=1)
+    assert applied(model).schedule is p2.schedule
+    assert p2.profile.saved_bytes == p1.profile.saved_bytes  # profiled without the first plan
+    with pytest.raises(CkptPlannerError, match="no longer applied"):
+        p1.verify(repeats=1)
+
+
+def _half(model, x) -> int:
+    prof = planner.profile(model, x, repeats=1)
+    n = simulate(prof).peak_bytes
+    return max(int(prof.fixed_bytes + 0.5 * (n - prof.fixed_bytes)),
+               smallest_peak(prof) + SLACK_BYTES)
+
+
+def test_other_input_shapes_train_within_the_budget(zoo):
+    """The plan holds for a batch smaller in batch and sequence than the example."""
+    p = zoo.plan("hf_llama", 0.5)
+    model, x = p.module, zoo.get("hf_llama")["x"]
+    small = {k: (v[:1, :20] if isinstance(v, torch.Tensor) else v) for k, v in x.items()}
+    l1, g1 = loss_and_grads(model, small)
+    m1 = measure(model, small, repeats=1)
+    planner.remove(model)
+    l0, g0 = loss_and_grads(model, small)
+    m0 = measure(model, small, repeats=1)
+    torch.testing.assert_close(l1, l0)
+    assert_grads_close(g0, g1)
+    assert m1.peak_bytes <= p.budget_bytes and m1.peak_bytes <= m0.peak_bytes
+
+
+def test_eval_and_no_grad_run_the_original_forward(zoo):
+    p = zoo.plan("ln_linear_stack", 0.5)
+    model, x = p.module, zoo.get("ln_linear_stack")["x"]
+    with torch.no_grad():
+        out_planned = model(x)
+    planner.remove(model)
+    with torch.no_grad():
+        torch.testing.assert_close(out_planned, model(x), rtol=0, atol=0)
+
+
+def test_deepcopy_of_a_planned_model_trains_its_own_parameters(zoo):
+    p = zoo.plan("gpt_eager", 0.5)
+    model, x = p.module, zoo.get("gpt_eager")["x"]
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for q in twin.parameters():
+            q.mul_(0.5)
+    _, g_twin = loss_and_grads(twin, x)
+    assert all(q.grad is None for q in model.parameters())
+    _, g_model = loss_and_grads(model, x)
+    assert any(not torch.allclose(g_twin[k], g_model[k]) for k in g_model)
+    assert applied(twin) is not None
+    wrapped = [m.forward.module for m in twin.modules()
+               if isinstance(m.__dict__.get("forward"), CheckpointedForward)]
+    assert wrapped and all(any(w is m for m in twin.modules()) for w in wrapped)
+
+
+def test_batchnorm_running_stats_updated_once_per_step(zoo):
+    p = zoo.plan("resnet_bn", 0.3)
+    assert any(r.buffers for r in p.schedule.regions), "no region updates BatchNorm statistics"
+    model, x = p.module, zoo.get("resnet_bn")["x"]
+    twin = copy.deepcopy(model)
+    planner.remove(twin)
+    for m in (model, twin):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            default_loss(m(x)).backward()
+            opt.step()
+    b0, b1 = dict(twin.named_buffers()), dict(model.named_buffers())
+    for k in b0:
+        if k.endswith("num_batches_tracked"):
+            assert b1[k].item() == b0[k].item() > 0, k
+        else:
+            torch.testing.assert_close(b1[k], b0[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_dropout_regions_preserve_the_rng(zoo):
+    p = zoo.plan("mlp_dropout", 0.3)
+    assert any(r.preserve_rng for r in p.schedule.regions)
+    v = p.verify(repeats=1)  # same seed, same masks: same gradients
+    assert v.max_grad_rel_err <= 1e-5
+
+
+def test_twenty_adam_steps_same_parameters(zoo):
+    """Adam amplifies last-bit differences early on (it normalises by sqrt(v)): rtol 1e-4."""
+    p = zoo.plan("ln_linear_stack", 0.3)
+    model, x = p.module, zoo.get("ln_linear_stack")["x"]
+    twin = copy.deepcopy(model)
+    planner.remove(twin)
+    for m in (model, twin):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        for _ in range(20):
+            opt.zero_grad(set_to_none=True)
+            default_loss(m(x)).backward()
+            opt.step()
+    for (k, a), b in zip(twin.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_hf_model_stays_an_hf_model(zoo, tmp_path):
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import ModelOutput
+
+    p = zoo.plan("hf_gpt2", 0.5)
+    model, x = p.module, zoo.get("hf_gpt2")["x"]
+    assert isinstance(model, GPT2LMHeadModel) and p.schedule.regions
+    assert isinstance(model(**x), ModelOutput)
+    model.save_pretrained(tmp_path / "m")
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "m")
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, msg=k)
+    model.eval()
+    try:
+        out = model.generate(x["input_ids"][:1, :8], max_new_tokens=4, do_sample=False)
+    finally:
+        model.train()
+    assert out.shape == (1, 12)
+
+
+class TupleOut(nn.Module):
+    def __init__(self, dim: int = 32, n: int = 6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh(), nn.Linear(dim, dim))
+                                    for _ in range(n))
+
+    def forward(self, x):
+        h = x
+        for layer in self.layers:
+            h = layer(h).tanh()
+        return h, h.sum(dim=-1)
+
+
+def test_tuple_output_stays_a_tuple():
+    torch.manual_seed(0)
+    model, x = TupleOut(), torch.randn(256, 32)
+
+    def loss_fn(out):
+        return out[0].mean() + out[1].mean()
+
+    prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
+    n = simulate(prof).peak_bytes
+    budget = max(int(prof.fixed_bytes + 0.5 * (n - prof.fixed_bytes)),
+                 smallest_peak(prof) + SLACK_BYTES)
+    planned = copy.deepcopy(model)
+    p = plan_from_profile(planned, prof, budget_bytes=budget)
+    out1, out0 = planned(x), model(x)
+    assert isinstance(out1, tuple) and len(out1) == 2
+    for a, b in zip(out1, out0, strict=True):
+        torch.testing.assert_close(a, b)
+    p.loss_fn, p.example_inputs = loss_fn, x
+    assert p.verify(repeats=1).measured_peak_bytes <= budget
+
+
+def test_a_parameter_replaced_after_planning_is_trained():
+    torch.manual_seed(0)
+    model, x = TINY["gpt_eager"](batch=2, seq=16, dim=32, heads=2, layers=2, vocab=64)
+    planner.plan(model, budget_gb=1.0, example_inputs=x, method="per_block", repeats=1)
+    new = nn.Parameter(torch.randn_like(model.blocks[1].mlp.c_fc.weight))
+    model.blocks[1].mlp.c_fc.weight = new
+    default_loss(model(x)).backward()
+    assert new.grad is not None and new.grad.abs().sum() > 0
+
+
+# -- module regions against measured memory ---------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpt_eager", "hf_gpt2", "resnet_bn", "deep_narrow_cnn"])
+def test_random_module_regions_match_measured(zoo, name):
+    e = zoo.get(name)
+    model, x, prof = e["model"], e["x"], e["prof"]
+    planner.remove(model)
+    spans = candidate_calls(prof)
+    rng = random.Random(0)
+    for _ in range(3):
+        chosen, taken = [], []
+        for s in rng.sample(spans, min(len(spans), 12)):
+            if s.call.module and all(s.b < a or s.a > b for a, b in taken):
+                chosen.append(s)
+                taken.append((s.a, s.b))
+        chosen.sort(key=lambda s: s.a)
+        sched = finish(prof, Schedule(regions=tuple(region(prof, s.a, s.b) for s in chosen)),
+                       2**62)
+        _check_measured(model, x, prof, sched)
+
+
+def test_selective_regions_match_measured(zoo):
+    e = zoo.get("gpt_eager")
+    model, x, prof = e["model"], e["x"], e["prof"]
+    planner.remove(model)
+    sched = solve(prof, 2**62, method="selective_matmul")
+    assert any(r.save_ops for r in sched.regions)
+    _check_measured(model, x, prof, sched)
+
+
+def _check_measured(model, x, prof, sched: Schedule) -> None:
+    l0, g0 = loss_and_grads(model, x)
+    apply_schedule(model, sched)
+    try:
+        l1, g1 = loss_and_grads(model, x)
+        measured = measure(model, x, repeats=1).peak_bytes
+    finally:
+        planner.remove(model)
+    torch.testing.assert_close(l1, l0)
+    assert_grads_close(g0, g1)
+    predicted = simulate(prof, sched).peak_bytes
+    assert abs(predicted - measured) <= 0.01 * measured, (
+        [r.module for r in sched.regions], predicted, measured)
+
+
+def test_sequential_segments_are_applied(zoo):
+    """sqrt(N) segments of an nn.Sequential's children run in place (checkpoint_sequential)."""
+    p = zoo.plan("deep_narrow_cnn", 0.3)
+    e = zoo.get("deep_narrow_cnn")
+    s = solve(e["prof"], 2**62, "sqrt_n")
+    assert all(r.segment is not None for r in s.regions), s.regions
+    planner.remove(p.module)
+    _check_measured(e["model"], e["x"], e["prof"], s)
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def test_budget_at_the_smallest_peak_is_planned(zoo):
+    e = zoo.get("gpt_eager")
+    planner.remove(e["model"])
+    p = plan_from_profile(e["model"], e["prof"], budget_bytes=e["smallest"], method="dp")
+    p.example_inputs = e["x"]
+    assert p.predicted_peak_bytes <= e["smallest"]
+    v = p.verify(repeats=1)
+    assert v.measured_peak_bytes <= e["smallest"] + SLACK_BYTES
+
+
+def test_infeasible_budget_names_smallest_peak(zoo):
+    e = zoo.get("gpt_eager")
+    planner.remove(e["model"])
+    too_small = e["least"] // 2
+    with pytest.raises(planner.InfeasibleBudgetError) as ei:
+        plan_from_profile(e["model"], e["prof"], budget_bytes=too_small, method="dp")
+    msg = str(ei.value)
+    assert "raise the budget" in msg
+    assert re.search(r"smallest achievable peak .*\(\d+\.\d+ (MiB|GiB)", msg), msg
+    assert format_bytes(e["smallest"]) in msg, msg
+    assert applied(e["model"]) is None
+    with pytest.raises(planner.InfeasibleBudgetError):
+        planner.plan(e["model"], budget_bytes=too_small, example_inputs=e["x"], repeats=1)
+
+
+def test_hf_gradient_checkpointing_is_refused():
+    model, x = build("hf_gpt2")
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    with pytest.raises(CkptPlannerError, match="gradient_checkpointing_disable"):
+        planner.plan(model, budget_gb=1.0, example_inputs=x)
+
+
+def test_apply_refuses_node_range_and_unknown_module_regions(zoo):
+    e = zoo.get("gpt_eager")
+    planner.remove(e["model"])
+    fwd = [n.name for n in e["prof"].nodes if n.phase == "forward"]
+    span = Schedule(regions=(Region(start=fwd[3], end=fwd[40]),), status="feasible")
+    with pytest.raises(ScheduleError, match="not a module call"):
+        planner.apply(e["model"], span)
+    other = Schedule(regions=(Region(start=fwd[3], end=fwd[40], module="blocks.7"),),
+                     status="feasible")
+    with pytest.raises(ScheduleError, match="'blocks.7'.*another model"):
+        planner.apply(e["model"], other)
+    assert applied(e["model"]) is None
+
+
+# -- save / apply / report --------------------------------------------------------------------------
+def test_save_then_apply_on_a_fresh_model(zoo, tmp_path):
+    p = zoo.plan("gpt_eager", 0.5)
+    path = p.save(tmp_path / "gpt.schedule.json")
+    _, g_planned = loss_and_grads(p.module, zoo.get("gpt_eager")["x"])
+    fresh, x = build("gpt_eager")
+    assert planner.apply(fresh, path) is fresh
+    assert applied(fresh).schedule.regions == p.schedule.regions
+    _, g = loss_and_grads(fresh, x)
+    assert_grads_close(g_planned, g)
+
+
+def test_report_has_a_row_per_baseline(zoo):
+    p = zoo.plan("gpt_eager", 0.5)
+    lines = p.report().splitlines()
+    for b in BASELINES:
+        assert sum(line.split()[0] == b for line in lines if line.split()) == 1, (b, lines)
+    assert any(line.startswith("plan: ") for line in lines)
+    assert any(line.startswith("checkpointed modules: blocks.") for line in lines), lines
+
+
+def test_budget_includes_adam_state_and_step():
+    """With an optimizer the budget covers its state and its step (steady state: the state is
+    allocated), and the prediction matches the measurement."""
+    model, x = build("ln_linear_stack")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    default_loss(model(x)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    unplanned = measure(model, x, optimizer=opt, repeats=1, restore=False)
+    p = planner.plan(model, budget_bytes=int(0.8 * unplanned.peak_bytes), example_inputs=x,
+                     optimizer=opt, method="dp", repeats=1)
+    assert p.profile.optimizer_state_bytes == 2 * p.profile.grad_bytes
+    planned = measure(model, x, optimizer=opt, repeats=1, restore=False)
+    assert planned.peak_bytes <= p.budget_bytes
+    assert abs(p.predicted_peak_bytes - planned.peak_bytes) <= 0.05 * planned.peak_bytes
+
+
+def test_sizes_used_by_the_zoo_are_known():
+    assert set(SIZES) == set(TINY)
