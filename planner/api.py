@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
+from planner import inplace
 from planner.capture.record import default_loss, split_inputs
-from planner.inplace import applied, apply_schedule, remove
+from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
 from planner.profiling import profile
 from solvers.errors import CkptPlannerError, ScheduleError
@@ -47,6 +48,7 @@ __all__ = [
     "plan",
     "plan_from_profile",
     "remove",
+    "unwrap",
     "verify_against",
 ]
 
@@ -93,7 +95,8 @@ class Plan:
     """A checkpointing plan, applied to the model it was made for."""
 
     module: torch.nn.Module
-    """The model the plan was made for, the very object passed to `plan` (now checkpointed)."""
+    """The model the plan was made for, the very object passed to `plan` (now checkpointed; for a
+    DistributedDataParallel model, the wrapper, whose inner module carries the plan)."""
     schedule: Schedule
     profile: Profile
     budget_bytes: int
@@ -163,7 +166,8 @@ class Plan:
 
     def remove(self) -> torch.nn.Module:
         """Take the plan off the model (its modules' own forwards back)."""
-        return remove(self.module)
+        remove(unwrap(self.module))
+        return self.module
 
     def verify(self, *, rtol: float = 1e-5, atol: float = 1e-6, repeats: int = 3) -> Verification:
         """Run the model without and with the plan on the example inputs: same loss, same
@@ -171,17 +175,17 @@ class Plan:
         AssertionError on a mismatch and PlanNotEffectiveError if the plan has regions but the
         measured peak is not below the unplanned one. The model's parameters, buffers and RNG are
         left as they were, and the plan stays applied."""
-        model = self.module
-        if applied(model) is None or applied(model).schedule is not self.schedule:
+        model, planned = self.module, unwrap(self.module)
+        if applied(planned) is None or applied(planned).schedule is not self.schedule:
             raise CkptPlannerError("this plan is no longer applied to its model; re-plan")
 
         @contextlib.contextmanager
         def unplanned():
-            remove(model)
+            remove(planned)
             try:
                 yield model
             finally:
-                apply_schedule(model, self.schedule)
+                apply_schedule(planned, self.schedule)
 
         return verify_against(unplanned, contextlib.nullcontext(model), self.example_inputs,
                               self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
@@ -263,6 +267,15 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
     return loss.detach(), grads
 
 
+_DATA_PARALLEL = ("DistributedDataParallel", "DataParallel")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a plan goes onto: the model itself, or the module inside (Distributed)
+    DataParallel, whose gradient hooks a plan applied in place leaves untouched."""
+    return model.module if type(model).__name__ in _DATA_PARALLEL else model
+
+
 def _check_plannable(model: torch.nn.Module) -> None:
     """Refuse models whose wrapper or existing checkpointing a plan would silently change."""
     if not isinstance(model, torch.nn.Module):
@@ -272,12 +285,6 @@ def _check_plannable(model: torch.nn.Module) -> None:
         raise CkptPlannerError(
             "the model is already wrapped by torch.compile; plan the model first and compile "
             "after: plan(model, ...), then torch.compile(model) (or block.compile() per block)"
-        )
-    if cls in ("DistributedDataParallel", "DataParallel"):
-        raise CkptPlannerError(
-            f"the model is wrapped in {cls}; plan the module inside it before wrapping: "
-            f"plan(model, ...), then {cls}(model). (Planning model.module in place also works: "
-            "the wrapper's hooks are untouched.)"
         )
     if any(type(m).__name__.startswith("FSDP") for m in model.modules()):
         raise CkptPlannerError(
@@ -355,6 +362,7 @@ def plan(
         raise CkptPlannerError("give exactly one of budget_gb (e.g. 8, '8GiB') or budget_bytes")
     budget = parse_budget(budget_gb) if budget_gb is not None else \
         parse_budget(budget_bytes, name="budget_bytes", unit=1)
+    given, model = model, unwrap(model)
     _check_plannable(model)
     if applied(model) is not None:
         remove(model)
@@ -367,7 +375,7 @@ def plan(
                    progress=progress)
     p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
                           time_limit_s=time_limit_s)
-    p.loss_fn, p.example_inputs, p.optimizer = loss_fn, example_inputs, optimizer
+    p.module, p.loss_fn, p.example_inputs, p.optimizer = given, loss_fn, example_inputs, optimizer
     p.seconds = {"profile": time.perf_counter() - t0, **p.seconds}
     return p
 
@@ -393,6 +401,13 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
                 seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
 
 
+def remove(model: torch.nn.Module) -> torch.nn.Module:
+    """Take a plan off `model` (or off the module inside its DistributedDataParallel wrapper):
+    every checkpointed module gets its own forward back. Returns `model`."""
+    inplace.remove(unwrap(model))
+    return model
+
+
 def apply(model: torch.nn.Module, schedule: Schedule | str | Path) -> torch.nn.Module:
     """Apply a saved schedule (e.g. planned offline for this GPU) to `model` in place.
 
@@ -403,7 +418,9 @@ def apply(model: torch.nn.Module, schedule: Schedule | str | Path) -> torch.nn.M
     if not schedule.feasible:
         raise ScheduleError(f"the schedule's status is {schedule.status!r}: it does not fit its "
                             "budget; re-plan with a larger budget")
-    _check_plannable(model)
-    if applied(model) is not None:
-        remove(model)
-    return apply_schedule(model, schedule)
+    inner = unwrap(model)
+    _check_plannable(inner)
+    if applied(inner) is not None:
+        remove(inner)
+    apply_schedule(inner, schedule)
+    return model

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +40,15 @@ from planner.capture.record import op_name
 from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.schedule import Region, Schedule
 
-__all__ = ["AppliedPlan", "CheckpointedForward", "SegmentedForward", "applied", "apply_schedule",
-           "applying", "remove"]
+__all__ = ["AppliedPlan", "CheckpointedForward", "PlanOutdatedWarning", "SegmentedForward",
+           "applied", "apply_schedule", "applying", "remove"]
 
 _ATTR = "_ckpt_planner_applied"
+
+
+class PlanOutdatedWarning(UserWarning):
+    """The model changed after planning (a module replaced or added, a parameter of another
+    shape): it still trains correctly, but the plan's memory prediction no longer holds."""
 
 
 @dataclass
@@ -51,6 +58,10 @@ class AppliedPlan:
     schedule: Schedule
     wrapped: dict[str, CheckpointedForward | SegmentedForward]
     """Module path -> the wrapper set as that module's `forward`."""
+    changed: str = ""
+    """What changed in the model since the plan was applied ("" while nothing did)."""
+    warned: bool = False
+    hook: Any = None
 
 
 def _policy_keys(region: Region) -> dict[str, frozenset[int]]:
@@ -293,8 +304,70 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
             wrapper = CheckpointedForward(module, regions[0], model, previous)
         module.__dict__["forward"] = wrapper
         wrapped[path] = wrapper
-    model.__dict__[_ATTR] = AppliedPlan(schedule=schedule, wrapped=wrapped)
+    plan = AppliedPlan(schedule=schedule, wrapped=wrapped)
+    plan.hook = model.register_forward_pre_hook(_warn_if_changed)
+    model.__dict__[_ATTR] = plan
+    _watch(model, plan)
     return model
+
+
+# -- noticing a model that changed after planning --------------------------------------------------
+# Global registration hooks see every module, parameter or buffer assigned anywhere; a weak map
+# from each planned model's modules to their plan finds the ones that matter in O(1).
+_MEMBERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref, str]] = \
+    weakref.WeakKeyDictionary()
+_HOOKS: list[Any] = []
+
+
+def _watch(model: torch.nn.Module, plan: AppliedPlan) -> None:
+    ref = weakref.ref(plan)
+    for path, m in model.named_modules():
+        _MEMBERS[m] = (ref, path)
+    if not _HOOKS:
+        mm = torch.nn.modules.module
+        _HOOKS.append(mm.register_module_module_registration_hook(_on_module))
+        _HOOKS.append(mm.register_module_parameter_registration_hook(_on_tensor))
+        _HOOKS.append(mm.register_module_buffer_registration_hook(_on_tensor))
+
+
+def _unwatch(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        _MEMBERS.pop(m, None)
+
+
+def _changed(owner: torch.nn.Module, name: str, what: str) -> None:
+    entry = _MEMBERS.get(owner)
+    plan = entry[0]() if entry is not None else None
+    if plan is not None and not plan.changed:
+        path = entry[1]
+        plan.changed = f"{what} {path + '.' if path else ''}{name}"
+
+
+def _on_module(module: torch.nn.Module, name: str, submodule: Any) -> None:
+    """Called before `module.name = submodule` takes effect."""
+    if module._modules.get(name) is not submodule:
+        _changed(module, name, "module")
+
+
+def _on_tensor(module: torch.nn.Module, name: str, value: Any) -> None:
+    """Called before a parameter or buffer is assigned: a new one, or one of another shape or
+    dtype, changes what the plan was made for (a reloaded weight of the same shape does not)."""
+    old = module._parameters.get(name)
+    if old is None:
+        old = module._buffers.get(name)
+    if old is None or not isinstance(value, torch.Tensor) or old.shape != value.shape \
+            or old.dtype != value.dtype:
+        _changed(module, name, "tensor")
+
+
+def _warn_if_changed(model: torch.nn.Module, args: Any) -> None:
+    plan = applied(model)
+    if plan is not None and plan.changed and not plan.warned and torch.is_grad_enabled():
+        plan.warned = True
+        warnings.warn(PlanOutdatedWarning(
+            f"the model changed after planning ({plan.changed} was replaced or added): it "
+            "trains correctly, but the plan's peak memory prediction no longer holds; re-plan "
+            "(planner.plan(model, ...)) for the model as it is now"), stacklevel=2)
 
 
 @contextlib.contextmanager
@@ -313,6 +386,9 @@ def remove(model: torch.nn.Module) -> torch.nn.Module:
     plan = model.__dict__.pop(_ATTR, None)
     if plan is None:
         return model
+    if plan.hook is not None:
+        plan.hook.remove()
+    _unwatch(model)
     for wrapper in plan.wrapped.values():
         module = wrapper.module
         if module.__dict__.get("forward") is wrapper:

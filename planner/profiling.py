@@ -22,7 +22,13 @@ from torch.utils import _pytree as pytree
 from planner.assemble import to_profile
 from planner.calibrate import checkpoint_costs, region_cost_on_model, selective_op_cost
 from planner.capture.estimate import Faker, gpu_kernels, roofline_times
-from planner.capture.record import StepSpec, default_loss, record_step, split_inputs
+from planner.capture.record import (
+    StepSpec,
+    check_inputs,
+    default_loss,
+    record_step,
+    split_inputs,
+)
 from planner.devices import DeviceSpec, get_device
 from solvers.errors import CkptPlannerError
 from solvers.profile import Profile
@@ -145,7 +151,13 @@ def profile(
         progress: print what it is doing to stderr.
     """
     if mode not in ("measure", "estimate"):
-        raise ValueError(f"mode={mode!r}: expected 'measure' or 'estimate'")
+        raise CkptPlannerError(f"mode={mode!r}: expected 'measure' or 'estimate'")
+    if not isinstance(model, torch.nn.Module):
+        raise CkptPlannerError(f"model is a {type(model).__name__}, not a torch.nn.Module")
+    check_inputs(model, example_inputs)
+    if loss_fn is not None and not callable(loss_fn):
+        raise CkptPlannerError(f"loss_fn is a {type(loss_fn).__name__}; pass a function of the "
+                               "model's output that returns a scalar tensor")
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):  # the user's RNG streams do not move
         return _profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, mode=mode,

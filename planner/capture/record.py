@@ -52,6 +52,7 @@ __all__ = [
     "OpRecord",
     "Recording",
     "StepSpec",
+    "check_inputs",
     "default_loss",
     "is_view",
     "op_name",
@@ -98,6 +99,57 @@ def default_loss(output: Any) -> torch.Tensor:
         f"the model's output ({type(output).__name__}) holds no floating-point tensor to take a "
         "default loss from; pass loss_fn=..."
     )
+
+
+_INPUT_FORMS = ("a tensor, a tuple of positional arguments, or a dict of keyword arguments "
+                "(e.g. example_inputs={'input_ids': ids, 'labels': ids})")
+
+
+def check_inputs(model: torch.nn.Module, example_inputs: Any) -> None:
+    """Refuse example inputs that cannot be a training batch of `model`, before any work: None,
+    no tensor anywhere, a keyword the forward does not take, more positional arguments than it
+    takes. Raises CkptPlannerError saying what to pass instead."""
+    import difflib
+    import inspect
+
+    if example_inputs is None:
+        raise CkptPlannerError(
+            f"example_inputs is None; pass the largest batch you will train with: {_INPUT_FORMS}")
+    if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(example_inputs)):
+        raise CkptPlannerError(
+            f"example_inputs ({type(example_inputs).__name__}) holds no tensor; pass "
+            f"{_INPUT_FORMS}")
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    params = list(sig.parameters.values())
+    kinds = {p.kind for p in params}
+    args, kwargs = split_inputs(example_inputs)
+    known = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                   inspect.Parameter.KEYWORD_ONLY)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown and inspect.Parameter.VAR_KEYWORD not in kinds:
+        raise CkptPlannerError(
+            f"{type(model).__name__}.forward takes no argument named {', '.join(unknown)}; "
+            f"it takes {', '.join(sorted(known)) or 'no keyword arguments'}: fix the keys "
+            "of example_inputs")
+    for key in unknown:  # **kwargs swallows anything: a near miss is most likely a typo
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if close:
+            raise CkptPlannerError(
+                f"{type(model).__name__}.forward takes no argument named {key!r} (did you mean "
+                f"{close[0]!r}?); it would pass through **kwargs unused: fix the keys of "
+                "example_inputs")
+    if args and inspect.Parameter.VAR_POSITIONAL not in kinds:
+        positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                      inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        if len(args) > len(positional):
+            raise CkptPlannerError(
+                f"example_inputs gives {len(args)} positional arguments but "
+                f"{type(model).__name__}.forward takes {len(positional)} "
+                f"({', '.join(p.name for p in positional)}); pass a tuple of that length or a "
+                "dict of keyword arguments")
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from planner.capture.record import default_loss
 from planner.api import SLACK_BYTES
+from planner.capture.record import default_loss
 from planner.graph.api import plan_from_trace
 from planner.graph.profiler import profile_with_trace
 from planner.measurement import measure

@@ -1,0 +1,257 @@
+"""Every misuse is refused or made right, with a message that says what to change.
+
+One row per bad input or misuse a user meets: the call, the exception type, and words of the
+message that tell the user what to do. The CLI rows check the same through `ckpt-planner`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+from planner.inplace import PlanOutdatedWarning
+from solvers import Schedule
+from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
+from solvers.units import BudgetError
+from tests.models import gpt_eager, hf_gpt2
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return gpt_eager(batch=2, seq=16, dim=32, heads=2, layers=2, vocab=64)
+
+
+def _plan(model=None, x=None, **kw):
+    m, x0 = _gpt()
+    model = model if model is not None else m
+    kw.setdefault("budget_gb", 1)
+    kw.setdefault("repeats", 1)
+    return planner.plan(model, example_inputs=x0 if x is None else x, **kw)
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h if h.sum() > 0 else -h
+
+
+def _frozen():
+    m, x = _gpt()
+    m.requires_grad_(False)
+    return planner.plan(m, budget_gb=1, example_inputs=x, repeats=1)
+
+
+def _eval_mode():
+    m, x = _gpt()
+    m.eval()
+    return planner.plan(m, budget_gb=1, example_inputs=x, repeats=1)
+
+
+def _compiled():
+    m, x = _gpt()
+    return planner.plan(torch.compile(m), budget_gb=1, example_inputs=x, repeats=1)
+
+
+def _hf_checkpointing():
+    m, x = hf_gpt2(batch=2, seq=16, layers=1, n_embd=32, n_head=2, vocab=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
+        return planner.plan(m, budget_gb=1, example_inputs=x, repeats=1)
+
+
+def _checkpoint_wrapper():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    m, x = _gpt()
+    m.blocks[0] = checkpoint_wrapper(m.blocks[0])
+    return planner.plan(m, budget_gb=1, example_inputs=x, repeats=1)
+
+
+def _schedule_for_another_model():
+    m, x = _gpt()
+    p = planner.plan(m, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    torch.manual_seed(0)
+    other, _ = gpt_eager(batch=2, seq=16, dim=32, heads=2, layers=1, vocab=64)
+    return planner.apply(other, p.schedule)
+
+
+def _node_range_schedule():
+    from solvers import Region
+
+    m, _ = _gpt()
+    return planner.apply(m, Schedule(regions=(Region(start="a", end="b"),)))
+
+
+def _infeasible_schedule():
+    m, _ = _gpt()
+    return planner.apply(m, Schedule(status="infeasible"))
+
+
+def _loss_not_scalar():
+    m, x = _gpt()
+    return planner.plan(m, budget_gb=1, example_inputs=x, loss_fn=lambda out: out, repeats=1)
+
+
+def _loss_not_callable():
+    m, x = _gpt()
+    return planner.plan(m, budget_gb=1, example_inputs=x, loss_fn="mse", repeats=1)
+
+
+def _model_raises():
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(16, 8))
+    return planner.plan(m, budget_gb=1, example_inputs=torch.randn(4, 8), repeats=1)
+
+
+def _too_small_budget():
+    m, x = _gpt()
+    return planner.plan(m, budget_bytes=1024, example_inputs=x, repeats=1)
+
+
+def _meta_model():
+    with torch.device("meta"):
+        m = nn.Linear(8, 8)
+    return planner.profile(m, torch.randn(4, 8, device="meta"), repeats=1)
+
+
+def _estimate_value_branch():
+    return planner.profile(_Branchy(), torch.randn(4, 8), mode="estimate")
+
+
+def _unknown_mode():
+    m, x = _gpt()
+    return planner.profile(m, x, mode="fast")
+
+
+def _unknown_method():
+    m, x = _gpt()
+    return planner.plan(m, budget_gb=1, example_inputs=x, method="magic", repeats=1)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    call: Callable[[], object]
+    error: type[Exception]
+    says: str
+    """A regex the message must match: what to change."""
+
+
+ROWS = [
+    Row("budget string with a typo", lambda: _plan(budget_gb="8 gigs"), BudgetError,
+        r"not an amount of memory; give .*'8GiB'"),
+    Row("budget as a huge string", lambda: _plan(budget_gb="8" * 10_000), BudgetError,
+        r"10000-character string; give"),
+    Row("budget NaN", lambda: _plan(budget_gb=float("nan")), BudgetError, r"not finite; give"),
+    Row("budget inf", lambda: _plan(budget_gb=float("inf")), BudgetError, r"not finite; give"),
+    Row("budget negative", lambda: _plan(budget_gb=-1), BudgetError, r"not a positive amount"),
+    Row("budget zero", lambda: _plan(budget_gb=0), BudgetError, r"not a positive amount"),
+    Row("budget True", lambda: _plan(budget_gb=True), BudgetError, r"is a bool.*give"),
+    Row("budget a list", lambda: _plan(budget_gb=[8]), BudgetError, r"is a list; give"),
+    Row("budget_gb and budget_bytes", lambda: _plan(budget_gb=1, budget_bytes=2**30),
+        CkptPlannerError, r"exactly one of budget_gb"),
+    Row("no budget", lambda: _plan(budget_gb=None), CkptPlannerError, r"exactly one of budget_gb"),
+    Row("budget too small", _too_small_budget, planner.InfeasibleBudgetError,
+        r"smallest achievable peak.*raise the budget or lower the batch size"),
+    Row("example_inputs None", lambda: planner.plan(
+        _gpt()[0], budget_gb=1, example_inputs=None), CkptPlannerError,
+        r"example_inputs is None; pass the largest batch"),
+    Row("example_inputs without tensors", lambda: _plan(x=["hello", "world"]), CkptPlannerError,
+        r"holds no tensor; pass a tensor"),
+    Row("a key forward does not take", lambda: planner.plan(
+        hf_gpt2(batch=1, seq=8, layers=1, n_embd=16, n_head=2, vocab=32)[0], budget_gb=1,
+        example_inputs={"input_ids": torch.zeros(1, 8, dtype=torch.long), "lables": None}),
+        CkptPlannerError, r"no argument named 'lables' \(did you mean 'labels'\?\)"),
+    Row("a key a plain forward does not take", lambda: _plan(x={"idx": torch.zeros(
+        2, 16, dtype=torch.long), "targets": None}), CkptPlannerError,
+        r"no argument named targets; it takes idx: fix the keys"),
+    Row("too many positional inputs", lambda: _plan(x=(torch.zeros(2, 16, dtype=torch.long),) * 3),
+        CkptPlannerError, r"3 positional arguments but GPT.forward takes 1"),
+    Row("not a module", lambda: planner.plan(lambda x: x, budget_gb=1,
+                                             example_inputs=torch.zeros(2)),
+        CkptPlannerError, r"not a torch.nn.Module"),
+    Row("model in eval mode", _eval_mode, CkptPlannerError, r"call model.train\(\) first"),
+    Row("no parameter requires grad", _frozen, CkptPlannerError,
+        r"no parameter .* requires grad.*unfreeze"),
+    Row("loss_fn returns a non-scalar", _loss_not_scalar, CkptPlannerError,
+        r"loss_fn must return a scalar tensor"),
+    Row("loss_fn not callable", _loss_not_callable, CkptPlannerError,
+        r"pass a function of the model's output"),
+    Row("model raises in its forward", _model_raises, planner.ModelRunError,
+        r"in module '1'.*check that the example inputs"),
+    Row("torch.compile'd model", _compiled, CkptPlannerError,
+        r"plan the model first and compile after"),
+    Row("HF gradient checkpointing on", _hf_checkpointing, CkptPlannerError,
+        r"gradient_checkpointing_disable\(\)"),
+    Row("checkpoint_wrapper inside", _checkpoint_wrapper, CkptPlannerError,
+        r"already wrapped for checkpointing.*remove checkpoint_wrapper"),
+    Row("schedule for another model", _schedule_for_another_model, ScheduleError,
+        r"this model does not have: the schedule was made for another model; re-plan"),
+    Row("node-range schedule applied in place", _node_range_schedule, ScheduleError,
+        r"not a module call.*plan from a profile recorded by planner.profile"),
+    Row("infeasible schedule applied", _infeasible_schedule, ScheduleError,
+        r"does not fit its budget; re-plan with a larger budget"),
+    Row("meta-device model in measure mode", _meta_model, CkptPlannerError,
+        r"use mode='estimate'"),
+    Row("value-dependent branch in estimate mode", _estimate_value_branch, planner.ModelRunError,
+        r"Profile it in measure mode"),
+    Row("unknown profiling mode", _unknown_mode, CkptPlannerError,
+        r"expected 'measure' or 'estimate'"),
+    Row("unknown solver method", _unknown_method, ValueError, r"expected one of auto, "),
+    Row("malformed profile file", lambda: Schedule.from_dict({"schema": "x"}), ScheduleError,
+        r"not a ckpt-planner schedule"),
+    Row("profile of another schema", lambda: __import__("solvers").Profile.from_dict(
+        {"schema": "ckpt-planner/profile", "schema_version": 99}), ProfileError,
+        r"re-record the profile with `ckpt-planner profile`"),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_misuse_is_refused_with_a_fix(row: Row):
+    with pytest.raises(row.error, match=row.says):
+        row.call()
+
+
+def test_the_table_is_long_enough():
+    assert len(ROWS) >= 25
+
+
+def test_a_model_changed_after_planning_warns_once():
+    model, x = _gpt()
+    planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    model.lm_head = nn.Linear(32, 64, bias=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(x).sum().backward()
+        model(x).sum().backward()
+    outdated = [w for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    assert len(outdated) == 1 and "module lm_head" in str(outdated[0].message)
+    assert "re-plan" in str(outdated[0].message)
+
+
+def test_a_reloaded_weight_of_the_same_shape_does_not_warn():
+    model, x = _gpt()
+    planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    w = model.blocks[0].mlp.c_fc.weight
+    model.blocks[0].mlp.c_fc.weight = nn.Parameter(w.detach().clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanOutdatedWarning)
+        model(x).sum().backward()
+
+
+def test_budget_strings_with_units_are_accepted():
+    model, x = _gpt()
+    p = planner.plan(model, budget_gb="500MiB", example_inputs=x, repeats=1)
+    assert p.budget_bytes == 500 * 2**20
+    q = planner.plan(model, budget_gb="2GB", example_inputs=x, repeats=1)
+    assert q.budget_bytes == 2 * 10**9
