@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from solvers import Profile, available_methods, simulate, solve  # noqa: E402
-from solvers.dp import _solve_chain, chain_model  # noqa: E402
+from solvers.dp import solve_chain, chain_model  # noqa: E402
 
 GIB = 2**30
 
@@ -32,7 +32,7 @@ def main(paths: list[str]) -> None:
         m = chain_model(p)
         t_model = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _solve_chain(m, 0.5 * none)
+        solve_chain(m, 0.5 * none)
         t_dp = time.perf_counter() - t0
         n_fwd = sum(nd.phase == "forward" for nd in p.nodes)
         print(f"\n{path}: {len(p.nodes)} nodes ({n_fwd} forward), {len(m.cuts) - 2} candidate "

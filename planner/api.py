@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,6 +104,8 @@ class Plan:
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     example_inputs: Any = None
     optimizer: torch.optim.Optimizer | None = None
+    autocast: torch.dtype | None = None
+    """The dtype forward and loss run in under `torch.autocast` (as profiled), or None."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where `plan` spent its time: ``profile``, ``solve``, ``apply``."""
     _baselines: dict[str, Schedule] = field(default_factory=dict, repr=False)
@@ -189,11 +192,12 @@ class Plan:
 
         return verify_against(unplanned, contextlib.nullcontext(model), self.example_inputs,
                               self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
-                              atol=atol, repeats=repeats)
+                              atol=atol, repeats=repeats, autocast=self.autocast)
 
     def measure(self, repeats: int = 5) -> Measurement:
         """Peak memory and step time of the planned model on the example inputs."""
-        return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats)
+        return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats,
+                       autocast=self.autocast)
 
 
 def verify_against(reference: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]]
@@ -202,17 +206,18 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
                    example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
                    schedule: Schedule, budget_bytes: int, *, rtol: float = 1e-5,
                    atol: float = 1e-6, repeats: int = 3,
-                   planned_params: torch.nn.Module | None = None) -> Verification:
+                   planned_params: torch.nn.Module | None = None,
+                   autocast: torch.dtype | None = None) -> Verification:
     """Compare one training step of the unplanned model (`reference`, a context that yields it)
     with the planned one (`planned`): loss, gradients, measured peak and time. The planned
     module's gradients are read from `planned_params` where it wraps the model (graph plans)."""
     loss_fn = loss_fn or default_loss
     with (reference() if callable(reference) else reference) as ref:
-        l0, g0 = _one_step(ref, example_inputs, loss_fn)
-        m0 = measure(ref, example_inputs, loss_fn, repeats=repeats)
+        l0, g0 = _one_step(ref, example_inputs, loss_fn, autocast=autocast)
+        m0 = measure(ref, example_inputs, loss_fn, repeats=repeats, autocast=autocast)
     with planned as mod:
-        l1, g1 = _one_step(mod, example_inputs, loss_fn, planned_params)
-        m1 = measure(mod, example_inputs, loss_fn, repeats=repeats)
+        l1, g1 = _one_step(mod, example_inputs, loss_fn, planned_params, autocast)
+        m1 = measure(mod, example_inputs, loss_fn, repeats=repeats, autocast=autocast)
     if not torch.allclose(l0, l1, rtol=rtol, atol=atol):
         raise AssertionError(f"loss differs: original {l0.item()} vs planned {l1.item()}")
     worst = 0.0
@@ -244,7 +249,8 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
 
 
 def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
-              owner: torch.nn.Module | None = None) -> tuple[torch.Tensor, dict]:
+              owner: torch.nn.Module | None = None,
+              autocast: torch.dtype | None = None) -> tuple[torch.Tensor, dict]:
     """Loss and gradients (of `owner`'s parameters, by default `module`'s) of one step from a
     fixed seed; parameters, buffers, grads restored."""
     args, kwargs = split_inputs(example_inputs)
@@ -256,7 +262,10 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
         torch.manual_seed(0)
         for p in params.values():
             p.grad = None
-        loss = loss_fn(module(*args, **kwargs))
+        device = next((p.device.type for p in params.values()), "cpu")
+        with torch.autocast(device, dtype=autocast) if autocast is not None \
+                else contextlib.nullcontext():
+            loss = loss_fn(module(*args, **kwargs))
         loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
     with torch.no_grad():
@@ -291,9 +300,11 @@ def _check_plannable(model: torch.nn.Module) -> None:
             "the model is already sharded with FSDP; apply the plan before fully_shard, as "
             "torchtitan orders activation checkpointing and FSDP"
         )
-    flag = getattr(model, "is_activation_checkpointing", None)
-    if flag is None:
-        flag = getattr(model, "is_gradient_checkpointing", False)
+    with warnings.catch_warnings():  # HF deprecates one of the two names, PEFT forwards both
+        warnings.simplefilter("ignore", FutureWarning)
+        flag = getattr(model, "is_activation_checkpointing", None)
+        if flag is None:
+            flag = getattr(model, "is_gradient_checkpointing", False)
     if flag:
         raise CkptPlannerError(
             f"{cls} has HF gradient checkpointing enabled; ckpt-planner places checkpoints "
@@ -337,6 +348,7 @@ def plan(
     budget_bytes: int | None = None,
     time_limit_s: float | None = None,
     repeats: int = 3,
+    autocast: torch.dtype | None = None,
     progress: bool = False,
 ) -> Plan:
     """Plan activation checkpointing for `model` so that a training step fits the budget, and
@@ -353,6 +365,8 @@ def plan(
             targets, close over them: ``loss_fn=lambda out: F.cross_entropy(out, targets)``.
         optimizer: include its state and step in the budget.
         method: a name from `solvers.available_methods()`; ``auto`` takes the best.
+        autocast: the dtype you train forward and loss in under ``torch.autocast`` (bf16 or fp16
+            mixed precision), backward outside it; plan outside your autocast block.
 
     Raises:
         InfeasibleBudgetError: naming the smallest achievable peak and the largest activations.
@@ -372,10 +386,11 @@ def plan(
         )
     t0 = time.perf_counter()
     prof = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats,
-                   progress=progress)
+                   autocast=autocast, progress=progress)
     p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
                           time_limit_s=time_limit_s)
     p.module, p.loss_fn, p.example_inputs, p.optimizer = given, loss_fn, example_inputs, optimizer
+    p.autocast = autocast
     p.seconds = {"profile": time.perf_counter() - t0, **p.seconds}
     return p
 
@@ -397,8 +412,9 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
     if not schedule.feasible:
         raise _infeasible(profile, budget_bytes, schedule)
     apply_schedule(model, schedule)
+    amp = getattr(torch, profile.meta.autocast) if profile.meta.autocast else None
     return Plan(module=model, schedule=schedule, profile=profile, budget_bytes=budget_bytes,
-                seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
+                autocast=amp, seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:

@@ -28,11 +28,11 @@ def fmt_bytes(n: int) -> str:
 
 
 # -- profile --------------------------------------------------------------------------------------
-class _SpecError(Exception):
+class SpecError(Exception):
     """A `module:function` model spec that cannot be turned into (model, example_inputs)."""
 
 
-def _load_spec(spec: str) -> tuple[Any, Any]:
+def load_spec(spec: str) -> tuple[Any, Any]:
     """Call the function named by ``module:function`` and return its ``(model, example_inputs)``."""
     expected = (
         "expected SPEC as 'module:function', where module is importable from the current "
@@ -40,30 +40,30 @@ def _load_spec(spec: str) -> tuple[Any, Any]:
     )
     module_name, sep, func_name = spec.partition(":")
     if not sep or not module_name or not func_name:
-        raise _SpecError(f"model spec {spec!r} has no 'module:function' form; {expected}")
+        raise SpecError(f"model spec {spec!r} has no 'module:function' form; {expected}")
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise _SpecError(
+        raise SpecError(
             f"cannot import module {module_name!r} from {cwd} ({e}); {expected}"
         ) from None
     func = getattr(module, func_name, None)
     if func is None or not callable(func):
-        raise _SpecError(f"module {module_name!r} has no function {func_name!r}; {expected}")
+        raise SpecError(f"module {module_name!r} has no function {func_name!r}; {expected}")
     result = func()
     if not (isinstance(result, tuple) and len(result) == 2):
         found = f"a tuple of {len(result)}" if isinstance(result, tuple) else type(result).__name__
-        raise _SpecError(f"{spec}() returned {found}; {expected}")
+        raise SpecError(f"{spec}() returned {found}; {expected}")
     return result
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     try:
-        model, example_inputs = _load_spec(args.spec)
-    except _SpecError as e:
+        model, example_inputs = load_spec(args.spec)
+    except SpecError as e:
         print(f"ckpt-planner profile: {e}", file=sys.stderr)
         return 2
     from planner.profiling import profile  # imports torch

@@ -55,11 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cli import _load_spec, _SpecError
+    from planner.cli import load_spec, SpecError
 
     try:
-        model, example_inputs = _load_spec(args.spec)
-    except _SpecError as e:
+        model, example_inputs = load_spec(args.spec)
+    except SpecError as e:
         print(f"ckpt-planner compare: {e}", file=sys.stderr)
         return 2
     from planner.comparison import compare, host_allocator  # imports torch

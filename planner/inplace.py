@@ -64,15 +64,48 @@ class AppliedPlan:
     hook: Any = None
 
 
-def _policy_keys(region: Region) -> dict[str, frozenset[int]]:
-    keys: dict[str, set[int]] = {}
+SAC_CACHE_VERSION = "ckpt-planner-sac-1"
+"""Part of the `cache_hash` of compiled selective regions: AOTAutograd's cache keys a compiled
+region by it (a cache hit never calls the policy), so it changes whenever the policy's meaning
+does."""
+
+
+def _policy_keys(region: Region) -> str:
+    """`Region.save_ops` as one sorted string (a constant dynamo can guard on), validated."""
     for key in region.save_ops:
         op, _, k = key.rpartition("#")
         if not op or not k.isdigit():
             raise ScheduleError(f"region of {region.module!r}: save_ops entry {key!r} is not "
                                 "'<aten overload>#<k>'")
+    return ",".join(sorted(region.save_ops))
+
+
+@functools.cache
+def _parse_save_ops(save_ops: str) -> dict[str, frozenset[int]]:
+    keys: dict[str, set[int]] = {}
+    for key in save_ops.split(",") if save_ops else ():
+        op, _, k = key.rpartition("#")
         keys.setdefault(op, set()).add(int(k))
     return {op: frozenset(ks) for op, ks in keys.items()}
+
+
+def _selective_contexts(save_ops: str):
+    """The selective-checkpoint contexts of one region call: MUST_SAVE for the k-th op of each
+    overload named in `save_ops`. The counter is fresh per call (the policy sees one call's ops;
+    under compile AOTAutograd calls this once per trace). A module-level function taking a string,
+    so that `functools.partial(_selective_contexts, keys)` is a context_fn dynamo accepts and
+    guards by value (regions with different saves get different compiled graphs)."""
+    keys = _parse_save_ops(save_ops)
+    counts: dict[str, int] = {}
+
+    def policy(ctx, func, *args, **kwargs):
+        name = op_name(func)
+        k = counts.get(name, 0)
+        counts[name] = k + 1
+        return CheckpointPolicy.MUST_SAVE if k in keys.get(name, ()) \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 @contextlib.contextmanager
@@ -93,11 +126,23 @@ def _buffer_copies(slots: list[tuple[torch.nn.Module, str]]) -> Iterator[None]:
 
 class _RegionRunner:
     """Runs a function under non-reentrant checkpoint as a region says: selective policy, RNG
-    preservation, buffer copies during the replay."""
+    preservation, buffer copies during the replay.
+
+    Under `torch.compile` the region reaches dynamo in the form it supports: no `context_fn` when
+    nothing is saved, else `functools.partial(_selective_contexts, keys)`. Compiled replays are the
+    partitioner's recomputation inside the backward graph, which does not replay buffer
+    mutations and draws dropout masks from the functionalized RNG, so neither the buffer copies
+    nor `preserve_rng_state` are needed there.
+    """
 
     def __init__(self, region: Region, root: torch.nn.Module):
         self.region = region
         self._keys = _policy_keys(region)
+        self._compiled_context = None
+        if self._keys:
+            ctx = functools.partial(_selective_contexts, self._keys)
+            ctx.cache_hash = f"{SAC_CACHE_VERSION}:{self._keys}"  # type: ignore[attr-defined]
+            self._compiled_context = ctx
         self._slots = []
         for name in region.buffers:
             prefix, _, attr = name.rpartition(".")
@@ -112,28 +157,13 @@ class _RegionRunner:
 
     def remap(self, memo: dict[int, Any]) -> _RegionRunner:
         new = _RegionRunner.__new__(_RegionRunner)
-        new.region, new._keys = self.region, self._keys
+        new.__dict__.update(self.__dict__)
         new._slots = [(memo.get(id(m), m), a) for m, a in self._slots]
         return new
 
-    def context_fn(self):
-        keys = self._keys
-        if keys:
-            counts: dict[str, int] = {}
-
-            def policy(ctx, func, *args, **kwargs):
-                if ctx.is_recompute:
-                    return CheckpointPolicy.PREFER_RECOMPUTE
-                name = op_name(func)
-                k = counts.get(name, 0)
-                counts[name] = k + 1
-                if k in keys.get(name, ()):
-                    return CheckpointPolicy.MUST_SAVE
-                return CheckpointPolicy.PREFER_RECOMPUTE
-
-            fwd, rec = create_selective_checkpoint_contexts(policy)
-        else:
-            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+    def _eager_context(self):
+        fwd, rec = (_selective_contexts(self._keys) if self._keys
+                    else (contextlib.nullcontext(), contextlib.nullcontext()))
         if not self._slots:
             return fwd, rec
         slots = self._slots
@@ -146,9 +176,14 @@ class _RegionRunner:
         return fwd, recompute()
 
     def run(self, fn, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            extra = {} if self._compiled_context is None else \
+                {"context_fn": self._compiled_context}
+            return checkpoint(fn, *args, use_reentrant=False,
+                              preserve_rng_state=self.region.preserve_rng, **extra)
         return checkpoint(fn, *args, use_reentrant=False,
                           preserve_rng_state=self.region.preserve_rng,
-                          context_fn=self.context_fn)
+                          context_fn=self._eager_context)
 
 
 class CheckpointedForward:

@@ -5,6 +5,8 @@ On CPU the truth is the running sum of the allocator's ``[memory]`` events from 
 `torch.cuda.max_memory_allocated`. The step is what a training loop does:
 
     loss = loss_fn(module(*args, **kwargs)); loss.backward()   # output dropped before backward
+    (under torch.autocast, its cache of cast weights is dropped after the loss, as leaving a
+    ``with torch.autocast(...)`` block around forward and loss does)
     optimizer.step(); optimizer.zero_grad(set_to_none=True)     # when an optimizer is given
 
 Peak bytes count everything alive during the step, parameters, buffers and inputs included
@@ -14,6 +16,7 @@ are allocated inside it.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from planner.capture.record import default_loss, split_inputs
+from planner.capture.record import default_loss, end_of_autocast, split_inputs
 
 __all__ = ["Measurement", "measure", "fixed_bytes"]
 
@@ -65,8 +68,12 @@ def fixed_bytes(
     return _storages_bytes(tensors)
 
 
-def _step(module, args, kwargs, loss_fn, optimizer, marker: Callable[[], None] | None):
-    loss = loss_fn(module(*args, **kwargs))
+def _step(module, args, kwargs, loss_fn, optimizer, marker: Callable[[], None] | None,
+          amp: tuple[str, torch.dtype] | None = None):
+    end_of_autocast()
+    with torch.autocast(amp[0], dtype=amp[1]) if amp is not None else contextlib.nullcontext():
+        loss = loss_fn(module(*args, **kwargs))
+    end_of_autocast()
     if marker is not None:
         marker()
     loss.backward()
@@ -90,11 +97,13 @@ def measure(
     repeats: int = 5,
     warmup: int = 1,
     restore: bool = True,
+    autocast: torch.dtype | None = None,
 ) -> Measurement:
     """Measure one training step of `module` (peak and retained memory, median step time).
 
     With ``restore=True`` (default) parameters, buffers, gradients and RNG state are put back
-    afterwards (when no optimizer is given), so measuring does not train the model.
+    afterwards (when no optimizer is given), so measuring does not train the model. With
+    `autocast` a dtype, forward and loss run under ``torch.autocast``, backward outside it.
     """
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
@@ -106,24 +115,25 @@ def measure(
     saved_grads = [p.grad for p in params]
     dev = next((p.device for p in params), torch.device("cpu"))
     cuda = dev.type == "cuda"
+    amp = (dev.type, autocast) if autocast is not None else None
     rng = torch.random.get_rng_state()
     try:
         for _ in range(warmup):
             _zero_grads(module)
-            _step(module, args, kwargs, loss_fn, optimizer, None)
+            _step(module, args, kwargs, loss_fn, optimizer, None, amp)
         _zero_grads(module)
         fixed = fixed_bytes(module, example_inputs, optimizer)
         if cuda:
-            peak, retained = _measure_cuda(module, args, kwargs, loss_fn, optimizer)
+            peak, retained = _measure_cuda(module, args, kwargs, loss_fn, optimizer, amp)
         else:
-            peak, retained = _measure_cpu(module, args, kwargs, loss_fn, optimizer)
+            peak, retained = _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp)
         times = []
         for _ in range(repeats):
             _zero_grads(module)
             if cuda:
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
-            _step(module, args, kwargs, loss_fn, optimizer, None)
+            _step(module, args, kwargs, loss_fn, optimizer, None, amp)
             if cuda:
                 torch.cuda.synchronize(dev)
             times.append((time.perf_counter() - t0) * 1e3)
@@ -146,7 +156,7 @@ def measure(
     )
 
 
-def _measure_cpu(module, args, kwargs, loss_fn, optimizer) -> tuple[int, int]:
+def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp) -> tuple[int, int]:
     """Peak (above what existed before) and retained-after-forward bytes from memory events."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -155,7 +165,7 @@ def _measure_cpu(module, args, kwargs, loss_fn, optimizer) -> tuple[int, int]:
             pass
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(module, args, kwargs, loss_fn, optimizer, marker)
+        _step(module, args, kwargs, loss_fn, optimizer, marker, amp)
     return _peak_and_retained(prof, "ckpt_planner::forward_done")
 
 
@@ -186,7 +196,7 @@ def _peak_and_retained(prof: Any, mark: str) -> tuple[int, int]:
     return peak, retained if retained is not None else cur
 
 
-def _measure_cuda(module, args, kwargs, loss_fn, optimizer) -> tuple[int, int]:
+def _measure_cuda(module, args, kwargs, loss_fn, optimizer, amp) -> tuple[int, int]:
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
@@ -197,6 +207,6 @@ def _measure_cuda(module, args, kwargs, loss_fn, optimizer) -> tuple[int, int]:
         torch.cuda.synchronize(dev)
         box["retained"] = torch.cuda.memory_allocated(dev) - base
 
-    _step(module, args, kwargs, loss_fn, optimizer, marker)
+    _step(module, args, kwargs, loss_fn, optimizer, marker, amp)
     torch.cuda.synchronize(dev)
     return torch.cuda.max_memory_allocated(dev) - base, box.get("retained", 0)

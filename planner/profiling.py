@@ -33,19 +33,37 @@ from planner.devices import DeviceSpec, get_device
 from solvers.errors import CkptPlannerError
 from solvers.profile import Profile
 
-__all__ = ["device_name", "dominant_dtype", "optimizer_bytes", "profile", "step_spec"]
+__all__ = ["check_autocast", "device_name", "dominant_dtype", "optimizer_bytes", "profile",
+           "step_spec"]
 
 
 def step_spec(model: torch.nn.Module, example_inputs: Any,
-              loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepSpec:
-    """The training step the planner runs: ``loss_fn(model(*args, **kwargs))`` and the gradients
-    of every parameter that requires grad, on the model's own tensors."""
+              loss_fn: Callable[[Any], torch.Tensor] | None = None,
+              autocast: torch.dtype | None = None) -> StepSpec:
+    """The training step the planner runs: ``loss_fn(model(*args, **kwargs))`` (under
+    ``torch.autocast`` when `autocast` is a dtype) and the gradients of every parameter that
+    requires grad, on the model's own tensors."""
     args, kwargs = split_inputs(example_inputs)
     return StepSpec(
         model=model, args=args, kwargs=kwargs, loss_fn=loss_fn or default_loss,
         params=dict(model.named_parameters()), buffers=dict(model.named_buffers()),
-        call=lambda: model(*args, **kwargs),
+        call=lambda: model(*args, **kwargs), autocast=autocast,
+        device_type=_device_of(model, example_inputs).type,
     )
+
+
+def check_autocast(autocast: Any) -> None:
+    """`autocast` is None or a floating dtype, and no autocast block is open around the call."""
+    if autocast is not None and not (isinstance(autocast, torch.dtype)
+                                     and autocast.is_floating_point):
+        raise CkptPlannerError(f"autocast={autocast!r}: pass a dtype such as torch.bfloat16 "
+                               "(or None for no mixed precision)")
+    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        raise CkptPlannerError(
+            "this runs inside a torch.autocast block; call it outside the block and pass "
+            "autocast=<dtype> instead: the planner then runs forward and loss under autocast and "
+            "backward outside it, as PyTorch's mixed-precision recipe (and your training step) does"
+        )
 
 
 def _device_of(model: torch.nn.Module, example_inputs: Any) -> torch.device:
@@ -128,6 +146,7 @@ def profile(
     mode: str = "measure",
     device: str | DeviceSpec | None = None,
     repeats: int = 5,
+    autocast: torch.dtype | None = None,
     progress: bool = False,
 ) -> Profile:
     """Profile one training step of `model` on `example_inputs`.
@@ -148,6 +167,8 @@ def profile(
             ``"estimate"`` runs on fake tensors (no memory for weights or activations; a model on
             the meta device works) and estimates times by roofline on `device`.
         device: estimate mode: a name from `planner.devices.DEVICES` (``"h100"``) or a DeviceSpec.
+        autocast: a dtype (``torch.bfloat16``) to run forward and loss under ``torch.autocast``,
+            backward outside, as you train with mixed precision; None for no autocast.
         progress: print what it is doing to stderr.
     """
     if mode not in ("measure", "estimate"):
@@ -155,16 +176,21 @@ def profile(
     if not isinstance(model, torch.nn.Module):
         raise CkptPlannerError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     check_inputs(model, example_inputs)
+    check_autocast(autocast)
     if loss_fn is not None and not callable(loss_fn):
         raise CkptPlannerError(f"loss_fn is a {type(loss_fn).__name__}; pass a function of the "
                                "model's output that returns a scalar tensor")
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):  # the user's RNG streams do not move
-        return _profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, mode=mode,
-                        device=device, repeats=repeats, progress=progress)
+        prof = _profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, mode=mode,
+                        device=device, repeats=repeats, autocast=autocast, progress=progress)
+    if autocast is not None:
+        prof = dataclasses.replace(prof, meta=dataclasses.replace(
+            prof.meta, autocast=str(autocast).removeprefix("torch.")))
+    return prof
 
 
-def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats,
+def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats, autocast,
              progress) -> Profile:
     say = _Progress(progress)
     dtype = dominant_dtype(model)
@@ -185,6 +211,7 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
             model=model, args=args, kwargs=kwargs, loss_fn=loss_fn or default_loss,
             params=params, buffers=buffers,
             call=lambda: torch.func.functional_call(model, state, args, kwargs),
+            autocast=autocast, device_type="cuda" if spec_dev.kind != "cpu" else "cpu",
         )
         say(f"recording one step on fake tensors ({spec_dev.name} estimate)")
         kernels = gpu_kernels() if spec_dev.kind != "cpu" else contextlib.nullcontext()
@@ -205,7 +232,7 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
         )
     dev = _device_of(model, example_inputs)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    spec = step_spec(model, example_inputs, loss_fn)
+    spec = step_spec(model, example_inputs, loss_fn, autocast)
     say("recording one training step (forward, loss, backward)")
     rec = record_step(spec, timing_repeats=max(1, repeats), workspace=dev.type == "cpu",
                       device=dev)

@@ -1,46 +1,36 @@
-"""The baselines every solver is compared against, registered by name in `solvers.solve`.
+"""The baselines every solver is compared against; `solvers.solve` lists them by name (`BY_NAME`).
 
-Each builds a schedule from the profile's repeated blocks (or, where no block repeats, from the
-candidate cut points) and takes the budget into account only where its definition does
-(`chen_greedy`, `every_k`). `solve` simulates every answer and sets its status against the budget.
+Each builds a schedule from the profile's units (`solvers.chain.units`: the repeated blocks, or
+where no block repeats, the segments between candidate cut points) and takes the budget into
+account only where its definition does (`chen_greedy`, `every_k`). `solve` simulates every answer
+and sets its status against the budget.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from solvers.candidates import MATMUL_OPS, blocks, cut_points, live_bytes_across
-from solvers.candidates import is_matmul as _is_matmul
+from solvers.chain import cut_points, live_bytes_across, region, selective_region, units
+from solvers.graph import graph_index
 from solvers.profile import Profile
-from solvers.schedule import Region, Schedule
-from solvers.simulate import graph_index, simulate
-from solvers.solve import register
+from solvers.schedule import Method, Region, Schedule
+from solvers.simulate import simulate
 
-__all__ = ["MATMUL_OPS", "region", "units", "chen_segments"]
-
-
-def region(profile: Profile, a: int, b: int, saved: tuple[str, ...] = ()) -> Region:
-    """The region over forward positions a..b (inclusive)."""
-    g = graph_index(profile)
-    names = profile.nodes
-    return Region(start=names[g.forward[a]].name, end=names[g.forward[b]].name, saved=saved)
-
-
-def units(profile: Profile) -> list[tuple[int, int]]:
-    """Forward-position ranges of the repeated blocks; where fewer than two blocks repeat, the
-    segments between consecutive candidate cut points."""
-    g = graph_index(profile)
-    pos = g.fwd_pos
-    blks = blocks(profile)
-    if len(blks) >= 2:
-        return [(pos[b.start], pos[b.end]) for b in blks]
-    cuts = [pos[i] for i in cut_points(profile)]
-    bounds = [-1, *cuts, len(g.forward) - 1]
-    return [(bounds[k] + 1, bounds[k + 1]) for k in range(len(bounds) - 1)]
+__all__ = [
+    "BY_NAME",
+    "chen_greedy",
+    "chen_segments",
+    "every_k",
+    "none",
+    "per_block",
+    "selective_matmul",
+    "sqrt_n",
+]
 
 
-def _pick(profile: Profile, budget_bytes: int, options: list[tuple[tuple[Region, ...], dict]],
-          method: str) -> Schedule:
+def _pick(profile: Profile, budget_bytes: int,
+          options: list[tuple[tuple[Region, ...], dict[str, Any]]], method: str) -> Schedule:
     """The option that fits with the least recompute time, else the one with the lowest peak."""
     best = None
     for regions, stats in options:
@@ -54,20 +44,17 @@ def _pick(profile: Profile, budget_bytes: int, options: list[tuple[tuple[Region,
     return Schedule(regions=best[1], method=method, stats=best[2], min_peak_bytes=min_peak)
 
 
-@register("none")
 def none(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
     """No checkpointing."""
     return Schedule(regions=(), method="none")
 
 
-@register("per_block")
 def per_block(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
     """Every repeated module instance (each transformer layer) is one region."""
     regs = tuple(region(profile, a, b) for a, b in units(profile))
     return Schedule(regions=regs, method="per_block")
 
 
-@register("sqrt_n")
 def sqrt_n(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
     """Chen et al. 2016, section 4.1: about sqrt(N) segments of equal length over the N blocks.
 
@@ -111,14 +98,13 @@ def chen_segments(profile: Profile, threshold: float) -> tuple[list[tuple[int, i
     return segs, x, y
 
 
-@register("chen_greedy")
 def chen_greedy(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
     """Chen et al. 2016, Algorithm 3 with the threshold search of their Appendix A, as their MXNet
     code (`memonger.search_plan`) does it: three runs starting at b = 0, each setting
     b = sqrt(x * y / 2); then 6 thresholds evenly spaced from the smallest y seen to
     sqrt(2) times the last guess. Every segment is a region. Keeps the threshold whose schedule fits
     the budget with the least recompute time, else the one with the lowest peak."""
-    options: list[tuple[tuple[Region, ...], dict]] = []
+    options: list[tuple[tuple[Region, ...], dict[str, Any]]] = []
     b = 0.0
     min_y = math.inf
 
@@ -140,7 +126,6 @@ def chen_greedy(profile: Profile, budget_bytes: int, time_limit_s: float | None 
     return _pick(profile, budget_bytes, options, "chen_greedy")
 
 
-@register("every_k")
 def every_k(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
     """Checkpoint every k-th block (torchtitan's ``selective_ac_option="k"``), each one region;
     k = 1 is `per_block`. Tries every k and keeps the fitting one with the least recompute time."""
@@ -152,19 +137,21 @@ def every_k(profile: Profile, budget_bytes: int, time_limit_s: float | None = No
     return _pick(profile, budget_bytes, options, "every_k")
 
 
-@register("selective_matmul")
 def selective_matmul(
     profile: Profile, budget_bytes: int, time_limit_s: float | None = None
 ) -> Schedule:
     """Per-block regions that keep the outputs of matmul-class ops from forward (torchtitan's
     selective op policy): only the cheap elementwise ops are recomputed."""
-    g = graph_index(profile)
-    regs = []
-    for a, b in units(profile):
-        saved = tuple(
-            profile.nodes[g.forward[k]].name
-            for k in range(a, b + 1)
-            if _is_matmul(profile.nodes[g.forward[k]].op)
-        )
-        regs.append(region(profile, a, b, saved))
-    return Schedule(regions=tuple(regs), method="selective_matmul")
+    regs = tuple(selective_region(profile, a, b) for a, b in units(profile))
+    return Schedule(regions=regs, method="selective_matmul")
+
+
+BY_NAME: dict[str, Method] = {
+    "none": none,
+    "per_block": per_block,
+    "sqrt_n": sqrt_n,
+    "chen_greedy": chen_greedy,
+    "every_k": every_k,
+    "selective_matmul": selective_matmul,
+}
+"""The baselines by method name, in the order `solve` lists them."""

@@ -1,35 +1,71 @@
-"""The vocabulary the solvers share: regions over the forward chain, and the module calls a region
-may be.
+"""The forward chain: the vocabulary that the simulator, the baselines, dp and ilp share.
 
-A schedule's region is a range of forward nodes. On a profile recorded by running the step
-(``meta.capture == "run"``), `planner.apply` can only checkpoint a module's `forward`, so the
-regions a solver may choose are the profile's module calls that have no blocker
-(`candidate_calls`); `bind` gives each region the module it wraps and what the applier needs.
+A schedule's region is a range of forward nodes, written here in forward positions (indices into
+`GraphIndex.forward`). This module says where a region may start and end (repeated blocks and the
+units the baselines use, candidate cut points, and on a recorded profile the module calls a
+region may be), what replaying it runs (the early stop), which op outputs a selective policy keeps
+(`is_matmul`), and where a storage is first saved for backward (`first_savers`). Everything it
+derives from a profile is computed once per profile (`solvers.profile.cached`).
+
+On a profile recorded by running the step (``meta.capture == "run"``), `planner.apply` can only
+checkpoint a module's `forward`, so the regions a solver may choose are the profile's module calls
+that have no blocker (`candidate_calls`); `bind` gives each region the module it wraps and what
+the applier needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from solvers.errors import ScheduleError
-from solvers.profile import ModuleCall, Profile
-from solvers.schedule import Region
+from solvers.graph import graph_index
+from solvers.profile import ModuleCall, Profile, cached
+from solvers.schedule import Region, Schedule
 
 __all__ = [
     "MATMUL_OPS",
+    "MAX_CUTS",
+    "MAX_CUTS_PER_BLOCK",
+    "Block",
     "CallSpan",
+    "applicable",
     "bind",
+    "block_spans",
+    "blocks",
     "candidate_calls",
+    "cut_points",
+    "early_stops",
+    "first_savers",
     "in_place",
     "is_matmul",
+    "live_bytes_across",
+    "matmul_mask",
+    "matmul_positions",
     "region",
+    "selective_region",
+    "storage_positions",
+    "units",
     "useful_calls",
+    "valid_cuts",
 ]
 
+
+# -- regions over forward positions ----------------------------------------------------------------
+def region(profile: Profile, a: int, b: int, saved: tuple[str, ...] = ()) -> Region:
+    """The region over forward positions a..b (inclusive), as node names."""
+    names = graph_index(profile).forward_names
+    return Region(start=names[a], end=names[b], saved=saved)
+
+
+# -- op classes ------------------------------------------------------------------------------------
 MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_")
 """Ops whose outputs torchtitan's selective policy saves (op name after ``aten.``, prefix match for
-the SDPA kernels)."""
+the SDPA kernels); `cut_points` can also cut after each of them."""
 
 
 def is_matmul(op: str) -> bool:
@@ -38,10 +74,328 @@ def is_matmul(op: str) -> bool:
     return any(name == m or (m.endswith("_") and name.startswith(m)) for m in MATMUL_OPS)
 
 
+def matmul_mask(profile: Profile) -> tuple[bool, ...]:
+    """Per forward position: the op is matmul-class (`is_matmul`)."""
+    return cached(profile, "matmul_mask", lambda p: tuple(
+        is_matmul(p.nodes[i].op) for i in graph_index(p).forward))
+
+
+def matmul_positions(profile: Profile, a: int, b: int) -> list[int]:
+    """Forward positions of the matmul-class ops in a..b (inclusive)."""
+    mask = matmul_mask(profile)
+    return [k for k in range(a, b + 1) if mask[k]]
+
+
+def selective_region(profile: Profile, a: int, b: int) -> Region:
+    """The region over forward positions a..b that keeps every matmul-class output from forward
+    (torchtitan's selective op policy): its replay recomputes only the other ops."""
+    names = graph_index(profile).forward_names
+    return region(profile, a, b, tuple(names[k] for k in matmul_positions(profile, a, b)))
+
+
+# -- what a replay runs and what the chain holds ---------------------------------------------------
+def early_stops(profile: Profile) -> tuple[int, ...]:
+    """stop[b]: forward position of the last op that the replay of a region ending at forward
+    position b runs. A region a..b replays ops a..stop[b] when stop[b] >= a, and nothing else.
+
+    Non-reentrant checkpoint stops a replay as soon as the region's last saving op has packed
+    what it saves (early stop). Ops pack their saved inputs before they compute and their saved
+    outputs after, so a last saver that saves only its inputs (mm saving its operands, mul saving
+    a dropout mask) is not computed: the stop is the op before it. Every op before the stop is
+    replayed, even ops that only feed saved ones.
+    """
+    return cached(profile, "early_stops", _early_stops)
+
+
+def _early_stops(profile: Profile) -> tuple[int, ...]:
+    g = graph_index(profile)
+    stop = []
+    cur = -1
+    for k, i in enumerate(g.forward):
+        if g.saves[i]:
+            cur = k if set(g.saves[i]) & set(g.new[i]) else k - 1
+        stop.append(cur)
+    return tuple(stop)
+
+
+def first_savers(profile: Profile) -> dict[int, int]:
+    """Storage -> forward position of the first op whose autograd node saves it, for storages
+    that are not fixed memory: a chain kept whole holds the storage for backward from there."""
+    return cached(profile, "first_savers", _first_savers)
+
+
+def _first_savers(profile: Profile) -> dict[int, int]:
+    g = graph_index(profile)
+    q1: dict[int, int] = {}
+    for k, i in enumerate(g.forward):
+        for s in g.saves[i]:
+            if s not in g.fixed_storages and s not in q1:
+                q1[s] = k
+    return q1
+
+
+def storage_positions(profile: Profile) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """For the storages forward ops make: the forward position of the producer, and the forward
+    positions that read each (non-fixed) storage, ascending."""
+    return cached(profile, "storage_positions", _storage_positions)
+
+
+def _storage_positions(profile: Profile) -> tuple[dict[int, int], dict[int, list[int]]]:
+    g = graph_index(profile)
+    prod: dict[int, int] = {}
+    readers: dict[int, list[int]] = defaultdict(list)
+    for k, i in enumerate(g.forward):
+        for s in g.new[i]:
+            prod[s] = k
+        for s in g.reads[i]:
+            readers[s].append(k)
+    return prod, dict(readers)
+
+
+# -- repeated blocks and the baselines' units ------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """One instance of a repeated module (``transformer.h.3``), as a range of forward nodes."""
+
+    name: str
+    start: int
+    """Profile node index of the block's first forward node."""
+    end: int
+    """Profile node index of the block's last forward node (inclusive)."""
+
+
+def blocks(profile: Profile) -> tuple[Block, ...]:
+    """Repeated module instances, in forward order.
+
+    A prefix qualifies when it has at least two integer children (``layers.0``, ``layers.1``) of
+    which at least two run the same sequence of ops (so ``stem.0/1/2`` = conv, bn, relu does not).
+    Prefixes are taken greedily by how many forward nodes they cover, skipping any nested inside (or
+    containing) one already taken: a GPT gives ``transformer.h.*``; a ResNet gives the instances of
+    every ``layerN.*``, not only of the largest stage. Instances whose node ranges overlap an earlier
+    one (ops interleaved across instances) are skipped.
+    """
+    return cached(profile, "blocks", _blocks)
+
+
+def _blocks(profile: Profile) -> tuple[Block, ...]:
+    g = graph_index(profile)
+    children: dict[str, set[str]] = defaultdict(set)
+    members: dict[str, list[int]] = defaultdict(list)  # instance path -> forward node indices
+    for i in g.forward:
+        parts = profile.nodes[i].module.split(".") if profile.nodes[i].module else []
+        for k, part in enumerate(parts):
+            if part.isdigit():
+                prefix = ".".join(parts[:k])
+                children[prefix].add(part)
+                members[".".join(parts[: k + 1])].append(i)
+
+    def inst_of(pre: str) -> list[str]:
+        return [f"{pre}.{c}" if pre else c for c in children[pre]]
+
+    def repeated(pre: str) -> bool:  # two instances run the same sequence of ops
+        sigs = [tuple(profile.nodes[i].op for i in members[m]) for m in inst_of(pre)]
+        return len(set(sigs)) < len(sigs)
+
+    qualified = [pre for pre, ch in children.items() if len(ch) >= 2 and repeated(pre)]
+
+    cover = {pre: sum(len(members[m]) for m in inst_of(pre)) for pre in qualified}
+    taken: list[str] = []
+
+    def nested(a: str, b: str) -> bool:  # is prefix a inside an instance of prefix b, or b in a?
+        return any(a.startswith(m + ".") or a == m for m in inst_of(b)) or any(
+            b.startswith(m + ".") or b == m for m in inst_of(a)
+        )
+
+    for pre in sorted(qualified, key=lambda p: (-cover[p], p)):
+        if not any(nested(pre, t) for t in taken):
+            taken.append(pre)
+    spans = []
+    for pre in taken:
+        for inst in inst_of(pre):
+            idx = members[inst]
+            spans.append((min(idx), max(idx), inst))
+    spans.sort()
+    out: list[Block] = []
+    for a, b, name in spans:
+        if out and a <= out[-1].end:
+            continue
+        out.append(Block(name=name, start=a, end=b))
+    return tuple(out)
+
+
+def block_spans(profile: Profile) -> tuple[tuple[int, int], ...]:
+    """The repeated blocks as forward-position ranges (first, last), in forward order."""
+    pos = graph_index(profile).fwd_pos
+    return tuple((pos[b.start], pos[b.end]) for b in blocks(profile))
+
+
+def units(profile: Profile) -> tuple[tuple[int, int], ...]:
+    """The baselines' units, forward-position ranges: the repeated blocks; where fewer than two
+    blocks repeat, the segments between consecutive candidate cut points. On a recorded profile a
+    unit must be a module call that can be checkpointed: the repeated blocks that are, else the
+    outermost candidate calls below the root, in order."""
+    return cached(profile, "units", _units)
+
+
+def _units(profile: Profile) -> tuple[tuple[int, int], ...]:
+    spans = block_spans(profile)
+    if in_place(profile):
+        calls = candidate_calls(profile)
+        allowed = {(s.a, s.b) for s in calls}
+        spans = tuple(sp for sp in spans if sp in allowed)
+        if len(spans) >= 2:
+            return spans
+        out: list[tuple[int, int]] = []
+        for s in sorted(calls, key=lambda s: (s.a, -s.b)):
+            is_root = s.call.module == "" and s.segment is None
+            if not is_root and (not out or s.a > out[-1][1]):
+                out.append((s.a, s.b))
+        return tuple(out)
+    if len(spans) >= 2:
+        return spans
+    g = graph_index(profile)
+    cuts = [g.fwd_pos[i] for i in cut_points(profile)]
+    bounds = [-1, *cuts, len(g.forward) - 1]
+    return tuple((bounds[k] + 1, bounds[k + 1]) for k in range(len(bounds) - 1))
+
+
+# -- candidate cut points --------------------------------------------------------------------------
+# A cut "after forward position k" is a boundary between two consecutive forward nodes; regions
+# start just after one cut and end on another. A cut is cheap when few bytes are live across it (a
+# checkpointed region keeps its inputs, which are exactly what crosses its first cut), and it is
+# valid when no in-place op after it mutates a storage produced before it: the region that holds
+# the in-place op would replay the mutation on a tensor it does not own.
+
+MAX_CUTS = 200
+"""At most this many candidate cuts overall (block boundaries always kept)."""
+MAX_CUTS_PER_BLOCK = 4
+"""At most this many live-bytes minima inside one block."""
+
+
+def live_bytes_across(profile: Profile) -> tuple[int, ...]:
+    """For every forward position k, the bytes of non-fixed storages produced at or before forward
+    node k and read by a forward node after it (what a region starting at k + 1 would keep)."""
+    return cached(profile, "live_bytes_across", _live_bytes_across)
+
+
+def _live_bytes_across(profile: Profile) -> tuple[int, ...]:
+    g = graph_index(profile)
+    n = len(g.forward)
+    diff = np.zeros(n + 1, dtype=np.int64)
+    prod, readers = storage_positions(profile)
+    for s, p in prod.items():
+        r = readers.get(s)
+        if r and r[-1] > p:
+            diff[p] += g.sbytes[s]
+            diff[r[-1]] -= g.sbytes[s]
+    return tuple(np.cumsum(diff)[:n].tolist())
+
+
+def valid_cuts(profile: Profile) -> tuple[bool, ...]:
+    """valid[k]: a region boundary after forward position k does not split an in-place op from the
+    producer of the storage it mutates (buffer updates such as BatchNorm's are ignored)."""
+    return cached(profile, "valid_cuts", _valid_cuts)
+
+
+def _valid_cuts(profile: Profile) -> tuple[bool, ...]:
+    g = graph_index(profile)
+    n = len(g.forward)
+    prod, _ = storage_positions(profile)
+    diff = np.zeros(n + 1, dtype=np.int64)
+    for k, i in enumerate(g.forward):
+        nd = profile.nodes[i]
+        opname = nd.op.split(".")[1] if nd.op.count(".") >= 1 else nd.op
+        if not opname.endswith("_") or nd.mutates_buffer:
+            continue
+        s = nd.storage
+        if s is None or s in g.fixed_storages or s not in prod:
+            continue
+        if prod[s] < k:  # cuts prod[s] .. k-1 separate the producer from the mutation
+            diff[prod[s]] += 1
+            diff[k] -= 1
+    bad = np.cumsum(diff)[:n]
+    return tuple(bool(b == 0) for b in bad)
+
+
+def cut_points(profile: Profile, *, matmul_cuts: bool = False) -> tuple[int, ...]:
+    """Profile node indices of forward nodes after which a region boundary is allowed and cheap.
+
+    Valid block boundaries always; then local minima of `live_bytes_across` (all of a flat one),
+    lowest first, at most `MAX_CUTS_PER_BLOCK` inside a block; then, with `matmul_cuts`, a cut
+    after every matmul/convolution (`is_matmul`), in forward order; `MAX_CUTS` overall. The chain's
+    start and end are implicit (not listed).
+
+    Matmul cuts let a plan recompute the cheap ops between two matmuls (a LayerNorm and the
+    matmul that reads it, a GELU and the matmul after it) as plain regions of their own, which
+    keeps the matmul outputs without a selective region's per-op dispatch cost. The solvers use
+    them; the baselines' units do not (they are defined on the blocks and live-bytes minima).
+    """
+    key = "cut_points+matmul" if matmul_cuts else "cut_points"
+    return cached(profile, key, lambda p: _cut_points(p, matmul_cuts))
+
+
+def _cut_points(profile: Profile, matmul_cuts: bool) -> tuple[int, ...]:
+    g = graph_index(profile)
+    n = len(g.forward)
+    if n <= 1:
+        return ()
+    live = live_bytes_across(profile)
+    valid = valid_cuts(profile)
+    chosen: set[int] = set()
+    block_of = [-1] * n
+    for b_i, (a, e) in enumerate(block_spans(profile)):
+        for k in range(a, e + 1):
+            block_of[k] = b_i
+        for k in (a - 1, e):
+            if 0 <= k < n - 1 and valid[k]:
+                chosen.add(k)
+    # Local minima over valid positions, one per plateau of equal live bytes (its last position).
+    inf = float("inf")
+    val = [live[k] if valid[k] else inf for k in range(n - 1)]
+    minima: list[int] = []
+    k = 0
+    while k < n - 1:
+        j = k
+        while j + 1 < n - 1 and val[j + 1] == val[k]:
+            j += 1
+        left = val[k - 1] if k > 0 else inf
+        right = val[j + 1] if j + 1 < n - 1 else inf
+        if val[k] < inf and val[k] <= left and val[k] <= right:
+            minima.extend(range(k, j + 1))  # a flat minimum: every position is as cheap
+        k = j + 1
+    per_block: dict[int, int] = defaultdict(int)
+    for k in sorted(minima, key=lambda k: (live[k], k)):
+        if len(chosen) >= MAX_CUTS:
+            break
+        if k in chosen:
+            continue
+        b_i = block_of[k]
+        if b_i >= 0 and per_block[b_i] >= MAX_CUTS_PER_BLOCK:
+            continue
+        per_block[b_i] += 1
+        chosen.add(k)
+    if matmul_cuts:
+        mask = matmul_mask(profile)
+        for k in range(n - 1):
+            if len(chosen) >= MAX_CUTS:
+                break
+            if valid[k] and mask[k]:
+                chosen.add(k)
+    return tuple(g.forward[k] for k in sorted(chosen))
+
+
+# -- module calls (recorded profiles) --------------------------------------------------------------
 def in_place(profile: Profile) -> bool:
     """Regions of this profile are module calls applied in place (a recorded profile), rather than
     node ranges of a traced graph."""
     return profile.meta.capture == "run"
+
+
+def applicable(schedule: Schedule | Iterable[Region]) -> bool:
+    """Every region is a module call (or there is none): `planner.apply` can put the schedule onto
+    the model's own modules. Regions get their module from `bind`."""
+    regions = schedule.regions if isinstance(schedule, Schedule) else schedule
+    return all(r.module is not None for r in regions)
 
 
 @dataclass(frozen=True)
@@ -61,53 +415,45 @@ class CallSpan:
     """Buffers updated in place inside the span."""
 
 
-def _forward_positions(profile: Profile) -> dict[str, int]:
-    cache = profile.__dict__.get("_fwd_positions")
-    if cache is None:
-        fwd = [n.name for n in profile.nodes if n.phase == "forward"]
-        cache = {name: k for k, name in enumerate(fwd)}
-        object.__setattr__(profile, "_fwd_positions", cache)
-    return cache
-
-
-def candidate_calls(profile: Profile) -> list[CallSpan]:
+def candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
     """The spans a region may be: module calls with no blocker, and runs of two or more
     consecutive children of an `nn.Sequential` none of which is blocked. Where several span the
     same nodes (a module whose forward only calls its child), the outermost whole call."""
-    cache = profile.__dict__.get("_candidate_calls")
-    if cache is not None:
-        return cache
-    pos = _forward_positions(profile)
+    return cached(profile, "candidate_calls", _candidate_calls)
+
+
+def _candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
+    pos = graph_index(profile).position
     by_module = {c.module: c for c in profile.calls}
     seen: set[tuple[int, int]] = set()
     out = []
     segments = []
     for c in profile.calls:  # ordered by start, outer first
-        a, b = pos[c.start], pos[c.end]
+        a, b = pos(c.start), pos(c.end)
         if not c.blocker and (a, b) not in seen:
             seen.add((a, b))
             out.append(CallSpan(c, a, b, None, c.buffers))
         if c.children:
-            segments.extend(_segments(c, by_module, pos))
+            segments.extend(_segments(profile, c, by_module))
     for span in segments:
         if (span.a, span.b) not in seen:
             seen.add((span.a, span.b))
             out.append(span)
     out.sort(key=lambda s: (s.a, -s.b))
-    object.__setattr__(profile, "_candidate_calls", out)
-    return out
+    return tuple(out)
 
 
-def _segments(c: ModuleCall, by_module: dict[str, ModuleCall], pos: dict[str, int]
+def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
               ) -> list[CallSpan]:
     """Runs of two or more consecutive children of Sequential call `c` that can be one region:
     every child in the run unblocked (a child without ops, an Identity, has no call and is
     fine inside a run), the first and last with ops."""
+    pos = graph_index(profile).position
     kids: list[ModuleCall | None] = []
-    lo, hi = pos[c.start], pos[c.end]
+    lo, hi = pos(c.start), pos(c.end)
     for name in c.children:
         kc = by_module.get(f"{c.module}.{name}" if c.module else name)
-        if kc is not None and not lo <= pos[kc.start] <= pos[kc.end] <= hi:
+        if kc is not None and not lo <= pos(kc.start) <= pos(kc.end) <= hi:
             kc = None  # not called inside this call
         kids.append(kc)
     out = []
@@ -122,22 +468,8 @@ def _segments(c: ModuleCall, by_module: dict[str, ModuleCall], pos: dict[str, in
             if kc.blocker:
                 break
             buffers |= set(kc.buffers)
-            out.append(CallSpan(c, pos[first.start], pos[kc.end], (i, j), tuple(sorted(buffers))))
+            out.append(CallSpan(c, pos(first.start), pos(kc.end), (i, j), tuple(sorted(buffers))))
     return out
-
-
-def region(profile: Profile, a: int, b: int, saved: tuple[str, ...] = ()) -> Region:
-    """The region over forward positions a..b (inclusive), as node names."""
-    fwd = _forward_nodes(profile)
-    return Region(start=fwd[a], end=fwd[b], saved=saved)
-
-
-def _forward_nodes(profile: Profile) -> list[str]:
-    cache = profile.__dict__.get("_fwd_names")
-    if cache is None:
-        cache = [n.name for n in profile.nodes if n.phase == "forward"]
-        object.__setattr__(profile, "_fwd_names", cache)
-    return cache
 
 
 def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
@@ -147,9 +479,9 @@ def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
     Regions of a traced profile are returned as they are."""
     if not in_place(profile):
         return regions
-    fwd = _forward_nodes(profile)
+    g = graph_index(profile)
+    fwd = g.forward_names
     spans = {(fwd[s.a], fwd[s.b]): s for s in candidate_calls(profile)}
-    index = {n.name: i for i, n in enumerate(profile.nodes)}
     out = []
     for r in regions:
         span = spans.get((r.start, r.end))
@@ -157,7 +489,7 @@ def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
             out.append(dataclasses.replace(r, module=None, save_ops=(), preserve_rng=False,
                                            buffers=(), segment=None))
             continue
-        lo, hi = index[r.start], index[r.end]
+        lo, hi = g.name_to_i[r.start], g.name_to_i[r.end]
         counts: dict[str, int] = {}
         keys: dict[str, str] = {}
         random = False
@@ -184,26 +516,20 @@ def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
     return tuple(out)
 
 
-def useful_calls(profile: Profile) -> list[CallSpan]:
+def useful_calls(profile: Profile) -> tuple[CallSpan, ...]:
     """Candidate calls whose checkpointing can lower memory: some op inside saves a storage made
     inside the call. (A call that saves only its inputs, a Linear or an activation module on its
     own, keeps exactly as much as it drops.)"""
-    cache = profile.__dict__.get("_useful_calls")
-    if cache is not None:
-        return cache
-    fwd = [i for i, n in enumerate(profile.nodes) if n.phase == "forward"]
-    made = {}
-    for k, i in enumerate(fwd):
-        for s in profile.nodes[i].new_storages:
-            made[s] = k
-    # first[k]: smallest producer position among storages saved by forward position k and made
-    # in forward; a call [a, b] is useful iff some k in [a, b] saves s with a <= made[s] <= k.
-    out = []
-    saved_made = [
-        [made[s] for s in profile.nodes[i].saves if s in made] for i in fwd
-    ]
-    for span in candidate_calls(profile):
-        if any(span.a <= p for k in range(span.a, span.b + 1) for p in saved_made[k]):
-            out.append(span)
-    object.__setattr__(profile, "_useful_calls", out)
-    return out
+    return cached(profile, "useful_calls", _useful_calls)
+
+
+def _useful_calls(profile: Profile) -> tuple[CallSpan, ...]:
+    g = graph_index(profile)
+    made, _ = storage_positions(profile)
+    # saved_made[k]: producer positions of the forward-made storages that position k saves; a call
+    # [a, b] is useful iff some k in [a, b] saves s with a <= made[s] <= k.
+    saved_made = [[made[s] for s in profile.nodes[i].saves if s in made] for i in g.forward]
+    return tuple(
+        span for span in candidate_calls(profile)
+        if any(span.a <= p for k in range(span.a, span.b + 1) for p in saved_made[k])
+    )

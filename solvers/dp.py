@@ -2,7 +2,7 @@
 
 Beaumont et al. (rotor, "Optimal checkpointing for heterogeneous chains", 2019/2021) solve a chain
 exactly with a DP over (stage, memory) states. We do the same over the candidate cuts
-c_0 = start < c_1 < ... < c_K < end of `solvers.candidates.cut_points`: a plan splits the chain at
+c_0 = start < c_1 < ... < c_K < end of `solvers.chain.cut_points`: a plan splits the chain at
 some of the cuts; each segment [a, b] (forward positions) is kept, checkpointed as one region, or
 checkpointed selectively (keeping its matmul outputs, the torchtitan policy).
 
@@ -34,19 +34,44 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from solvers.baselines import _is_matmul, region
-from solvers.candidates import cut_points
-from solvers.chain import bind, in_place, useful_calls
-from solvers.profile import Profile
+from solvers import baselines
+from solvers.chain import (
+    applicable,
+    bind,
+    cut_points,
+    early_stops,
+    first_savers,
+    in_place,
+    matmul_mask,
+    region,
+    selective_region,
+    storage_positions,
+    useful_calls,
+)
+from solvers.graph import graph_index
+from solvers.profile import Profile, cached
 from solvers.schedule import Region, Schedule
-from solvers.simulate import graph_index, simulate
-from solvers.solve import BASELINES, METHODS, register
+from solvers.simulate import simulate
 
-__all__ = ["MEMORY_BUCKETS", "GRID_POINTS", "POOL_BUCKETS", "ChainModel", "chain_model", "dp"]
+__all__ = [
+    "CKPT",
+    "GRID_ITERS",
+    "GRID_POINTS",
+    "KEEP",
+    "MEMORY_BUCKETS",
+    "POOL_BUCKETS",
+    "SEL",
+    "ChainModel",
+    "Plan",
+    "chain_model",
+    "dp",
+    "solve_chain",
+]
 
 MEMORY_BUCKETS = 1000
 """The DP's memory axis: the bytes available to activations, budget - G, is cut into this many
@@ -56,6 +81,11 @@ overstates memory by less than u = (budget - G) / 1000, i.e. a plan of n segment
 n * 0.1% of the activation budget against the exact model optimum."""
 
 KEEP, CKPT, SEL = 0, 1, 2
+"""Segment types: kept (its ops save as usual), checkpointed (one region), selective (one region
+that keeps its matmul-class outputs)."""
+
+Plan = list[tuple[int, int, int]]
+"""A plan over a ChainModel: (i, j, type) for each segment from cut i to cut j, in order."""
 
 
 @dataclass
@@ -79,15 +109,24 @@ class ChainModel:
     that can be checkpointed (the only segments a plan applied in place can checkpoint). None:
     every segment can (a traced profile's node ranges)."""
 
+    time_rows: list[list[list[float]]] = field(init=False, repr=False)
+    """`time` as nested lists, for the DP's inner loop (numpy scalars are slow to index there)."""
+
+    def __post_init__(self) -> None:
+        self.time_rows = self.time.tolist()
+
     def checkpointable(self, i: int, j: int) -> bool:
+        """Segment (i, j) may be checkpointed (on a recorded profile: it is a useful call)."""
         return self.into is None or i in self.into[j]
 
 
 def chain_model(profile: Profile) -> ChainModel:
-    """Precompute the DP's per-segment quantities (numpy; prefix sums and 2-D difference arrays)."""
-    cached = profile.__dict__.get("_chain_model")
-    if cached is not None:
-        return cached
+    """The DP's per-segment quantities of a profile, computed once per profile."""
+    return cached(profile, "chain_model", _chain_model)
+
+
+def _chain_model(profile: Profile) -> ChainModel:
+    """Every segment's quantities at once: prefix sums and 2-D difference arrays (numpy)."""
     g = graph_index(profile)
     fwd = g.forward
     n = len(fwd)
@@ -106,36 +145,19 @@ def chain_model(profile: Profile) -> ChainModel:
     k1 = len(cuts)
     starts = np.array([c + 1 for c in cuts])
     ends = np.array(cuts)
-    fixed = g.fixed_storages
     # Per position.
     t = np.array([g.time[i] for i in fwd], dtype=float)
-    mm = np.array([_is_matmul(profile.nodes[i].op) for i in fwd])
-    saver = np.array([bool(g.saves[i]) for i in fwd])
-    # stop[b]: the last op a region ending at b replays (the simulator's early stop: inside the last
-    # saving op, which does not compute when it saves only its inputs).
-    stop = np.full(n, -1)
-    cur = -1
-    for k, i in enumerate(fwd):
-        if saver[k]:
-            cur = k if set(g.saves[i]) & set(g.new[i]) else k - 1
-        stop[k] = cur
+    mm = np.array(matmul_mask(profile), dtype=bool)
+    stop = np.array(early_stops(profile), dtype=int)  # stop[b]: last op a region ending at b replays
     tcum = np.concatenate([[0.0], np.cumsum(t)])
     tnm = np.concatenate([[0.0], np.cumsum(np.where(mm, 0.0, t))])
+    # Per storage: producer p, forward readers, first saver q1.
+    prod, readers = storage_positions(profile)
+    q1 = first_savers(profile)
     mm_bytes = np.zeros(n)
-    # Per storage.
-    prod: dict[int, int] = {}
-    readers: dict[int, list[int]] = {}
-    q1: dict[int, int] = {}
-    for k, i in enumerate(fwd):
-        for s in g.new[i]:
-            prod[s] = k
-            if mm[k]:
-                mm_bytes[k] += g.sbytes[s]
-        for s in g.reads[i]:
-            readers.setdefault(s, []).append(k)
-        for s in g.saves[i]:
-            if s not in fixed and s not in q1:
-                q1[s] = k
+    for s, k in prod.items():
+        if mm[k]:
+            mm_bytes[k] += g.sbytes[s]
     mmcum = np.concatenate([[0.0], np.cumsum(mm_bytes)])
     q1_bytes = np.zeros(n)
     for s, k in q1.items():
@@ -206,13 +228,11 @@ def chain_model(profile: Profile) -> ChainModel:
     own[:, :, SEL] = add[:, :, SEL] + hold_nm2
     has_mm = (mmcum[b_ + 1] - mmcum[a_]) > 0
     g_bytes = simulate(profile).peak_bytes - int(q1cum[-1])
-    model = ChainModel(cuts, g_bytes, time, add, own, has_mm, into)
-    object.__setattr__(profile, "_chain_model", model)
-    return model
+    return ChainModel(cuts, g_bytes, time, add, own, has_mm, into)
 
 
-def _solve_chain(m: ChainModel, budget_bytes: float, buckets: int = MEMORY_BUCKETS):
-    """Minimum-time plan with model peak <= budget: a list of (i, j, type), or None."""
+def solve_chain(m: ChainModel, budget_bytes: float, buckets: int = MEMORY_BUCKETS) -> Plan | None:
+    """The minimum-time plan whose model peak is at most `budget_bytes`, or None when none is."""
     cap = budget_bytes - m.g_bytes
     if cap <= 0:
         return None
@@ -225,7 +245,7 @@ def _solve_chain(m: ChainModel, budget_bytes: float, buckets: int = MEMORY_BUCKE
     par = np.full((k1, buckets + 1), -1, dtype=np.int64)  # i * 3 + type
     cost[0, 0] = 0.0
     first = [0] + [buckets + 1] * (k1 - 1)  # smallest finite memory state per cut
-    times = m.time.tolist()
+    times = m.time_rows
     for j in range(1, k1):
         cj, pj = cost[j], par[j]
         sources = range(j) if m.into is None else sorted({j - 1, *m.into[j]})
@@ -269,21 +289,13 @@ def _solve_chain(m: ChainModel, budget_bytes: float, buckets: int = MEMORY_BUCKE
     return plan
 
 
-def _regions(profile: Profile, m: ChainModel, plan) -> tuple[Region, ...]:
-    g = graph_index(profile)
+def _regions(profile: Profile, m: ChainModel, plan: Plan) -> tuple[Region, ...]:
     regs = []
     for i, j, typ in plan:
         if typ == KEEP:
             continue
         a, b = m.cuts[i] + 1, m.cuts[j]
-        saved: tuple[str, ...] = ()
-        if typ == SEL:
-            saved = tuple(
-                profile.nodes[g.forward[k]].name
-                for k in range(a, b + 1)
-                if _is_matmul(profile.nodes[g.forward[k]].op)
-            )
-        regs.append(region(profile, a, b, saved))
+        regs.append(selective_region(profile, a, b) if typ == SEL else region(profile, a, b))
     return tuple(regs)
 
 
@@ -291,11 +303,9 @@ def _incumbents(profile: Profile, budget_bytes: int) -> list[tuple[str, tuple[Re
     """The baselines' schedules that a plan of this profile could be (on a recorded profile,
     those whose regions are all module calls)."""
     out = []
-    for name in BASELINES:
-        if name not in METHODS:
-            continue
-        regs = METHODS[name](profile, budget_bytes, None).regions
-        if in_place(profile) and any(r.module is None for r in bind(profile, regs)):
+    for name, method in baselines.BY_NAME.items():
+        regs = method(profile, budget_bytes, None).regions
+        if in_place(profile) and not applicable(bind(profile, regs)):
             continue
         out.append((name, regs))
     return out
@@ -304,9 +314,22 @@ def _incumbents(profile: Profile, budget_bytes: int) -> list[tuple[str, tuple[Re
 GRID_POINTS = 24
 """Targets, evenly spaced from the smallest peak the DP reaches to the no-checkpoint peak."""
 POOL_BUCKETS = 250
-"""`MEMORY_BUCKETS` for the pool's solves (4x faster; error per segment < 0.4% of the budget)."""
+"""`MEMORY_BUCKETS` for the pool's solves: a coarser memory axis, so each solve is cheaper (the
+error per segment stays below 1/250 of the activation budget)."""
 GRID_ITERS = 3
 """Re-solves per target after the simulation overshoots it."""
+
+
+@dataclass
+class _Pool:
+    """The verified plans of one profile, kept between `dp` calls."""
+
+    found: dict[tuple[Region, ...], tuple[int, float]] = field(default_factory=dict)
+    """Regions -> (simulated peak bytes, recompute ms) of every plan simulated so far."""
+    done: set[int] = field(default_factory=set)
+    """Grid targets already solved."""
+    floor: int | None = None
+    """Low end of the grid: the smallest simulated peak of the DP's plans."""
 
 
 def _pool(profile: Profile, m: ChainModel, none_peak: int, budget_bytes: int
@@ -314,44 +337,41 @@ def _pool(profile: Profile, m: ChainModel, none_peak: int, budget_bytes: int
     """Verified DP plans, (peak, recompute ms, regions), for the targets of a fixed grid up to one step
     above the budget. The grid (smallest peak the DP reaches to the unchecked peak) does not
     depend on the budget, and a larger budget only adds targets, so `dp`'s answer never costs more
-    at a larger budget (the property `solve` promises). Solved targets are cached on the profile."""
-    cache = profile.__dict__.get("_dp_pool")
-    if cache is None:
-        cache = {"found": {}, "done": set()}
-        object.__setattr__(profile, "_dp_pool", cache)
-    found: dict[tuple[Region, ...], tuple[int, float]] = cache["found"]
+    at a larger budget (the property `solve` promises). Solved targets are kept per profile."""
+    cache = cached(profile, "dp_pool", lambda _: _Pool())
+    found = cache.found
 
-    def sim(plan) -> int:
+    def sim(plan: Plan) -> int:
         regs = _regions(profile, m, plan)
         if regs not in found:
             r = simulate(profile, regs)
             found[regs] = (r.peak_bytes, r.recompute_ms)
         return found[regs][0]
 
-    if "floor" not in cache:
+    if cache.floor is None:
         # The smallest model budget with a plan, by bisection: the low end of the grid.
         lo, hi = float(m.g_bytes), float(none_peak)
         for _ in range(10):
             mid = (lo + hi) / 2
-            plan = _solve_chain(m, mid, POOL_BUCKETS)
+            plan = solve_chain(m, mid, POOL_BUCKETS)
             if plan is None:
                 lo = mid
             else:
                 sim(plan)
                 hi = mid
-        cache["floor"] = min((pk for pk, _ in found.values()), default=none_peak)
-    floor = cache["floor"]
+        cache.floor = min((pk for pk, _ in found.values()), default=none_peak)
+    floor = cache.floor
     for k in range(GRID_POINTS + 1):
         step = (none_peak - floor) / GRID_POINTS
         target = floor + step * k
         if target > budget_bytes + step:  # one target above the budget: its plan may still fit
             break
-        if k in cache["done"]:
+        if k in cache.done:
             continue
-        cache["done"].add(k)
+        cache.done.add(k)
         internal = target
         for _ in range(GRID_ITERS):
-            plan = _solve_chain(m, internal, POOL_BUCKETS)
+            plan = solve_chain(m, internal, POOL_BUCKETS)
             if plan is None:
                 break
             peak = sim(plan)
@@ -361,7 +381,6 @@ def _pool(profile: Profile, m: ChainModel, none_peak: int, budget_bytes: int
     return [(pk, ms, regs) for regs, (pk, ms) in found.items()]
 
 
-@register("dp")
 def dp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
     """The cheapest schedule over the chain of candidate cuts that the simulator says fits.
 
@@ -371,7 +390,7 @@ def dp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -
     chain model over the candidate cuts, to within `MEMORY_BUCKETS`).
     """
     m = chain_model(profile)
-    stats: dict = {"candidates": len(m.cuts) - 2, "g_bytes": m.g_bytes}
+    stats: dict[str, Any] = {"candidates": len(m.cuts) - 2, "g_bytes": m.g_bytes}
     none_peak = simulate(profile).peak_bytes
     if none_peak <= budget_bytes:  # nothing to recompute: no regions is optimal
         return Schedule(regions=(), method="dp", status="optimal", stats=stats)
@@ -388,7 +407,7 @@ def dp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -
     peak, ms, regs, source = min(fits, key=lambda o: (o[1], o[0], len(o[2])))
     stats["source"] = source
     status = "feasible"
-    plan = _solve_chain(m, budget_bytes)
+    plan = solve_chain(m, budget_bytes)
     if plan is not None:
         r = simulate(profile, _regions(profile, m, plan))
         stats["direct_ms"] = r.recompute_ms if r.peak_bytes <= budget_bytes else None
@@ -396,3 +415,6 @@ def dp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -
             status = "optimal"
     return Schedule(regions=regs, method="dp", status=status, min_peak_bytes=int(min_peak),
                     stats=stats)
+
+
+_solve_chain = solve_chain  # the name `benchmarks/solve_times.py` imports; use `solve_chain`

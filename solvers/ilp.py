@@ -6,7 +6,7 @@ early stop, at its first use in backward. So the MILP is restricted to what it c
 of the forward chain into intervals between candidate cuts, each kept or checkpointed, and inside a
 checkpointed one-unit interval a choice of which matmul-class outputs to keep from forward.
 
-Points: the candidate cuts of `solvers.candidates.cut_points` as `solvers.dp.chain_model` indexes
+Points: the candidate cuts of `solvers.chain.cut_points` as `solvers.dp.chain_model` indexes
 them, coarsened to at most `MAX_POINTS` (dp's chosen cuts always kept, then block boundaries, then
 the cuts with the fewest live bytes). A "unit" is the interval between two consecutive points.
 
@@ -51,23 +51,47 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulp
 
-from solvers.baselines import _is_matmul, region
-from solvers.candidates import blocks, live_bytes_across
-from solvers.dp import CKPT, KEEP, SEL, ChainModel, chain_model
-from solvers.dp import dp as dp_solve
+from solvers.chain import (
+    block_spans,
+    early_stops,
+    first_savers,
+    live_bytes_across,
+    matmul_positions,
+    region,
+    selective_region,
+)
+from solvers.dp import CKPT, KEEP, SEL, ChainModel, chain_model, dp
 from solvers.errors import SolverUnavailableError
+from solvers.graph import graph_index
 from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
-from solvers.simulate import graph_index, simulate
-from solvers.solve import register
+from solvers.simulate import simulate
+
+__all__ = ["DEFAULT_TIME_LIMIT_S", "MAX_POINTS", "MAX_ROUNDS", "MIP_REL_GAP", "ilp"]
+
+DEFAULT_TIME_LIMIT_S = 60.0
+"""Wall-clock limit of one `ilp` call (dp's warm start and every MILP round together)."""
+MAX_POINTS = 80
+"""Candidate points kept for the MILP (dp's chosen cuts are always kept, even beyond this)."""
+MAX_ROUNDS = 4
+"""MILP solves per call: the first, and re-solves with a budget corrected by the simulator."""
+MIP_REL_GAP = 1e-3
+"""Relative MIP gap (of the MILP's own objective) at which the solver stops and reports optimal."""
+MIB = float(2**20)
+
+PlanStep = tuple[int, int, int, list[int]]
+"""(i, j, type, saved forward positions): an interval between coarsened points i < j."""
+Plan = list[PlanStep]
 
 
 @contextlib.contextmanager
-def _quiet_stdout():
+def _quiet_stdout() -> Iterator[None]:
     """HiGHS prints its banner from C to file descriptor 1 even with output off; keep it out of
     the user's table (`msg=False` silences everything else)."""
     try:
@@ -84,18 +108,6 @@ def _quiet_stdout():
     finally:
         os.dup2(saved, fd)
         os.close(saved)
-
-__all__ = ["DEFAULT_TIME_LIMIT_S", "MAX_POINTS", "MAX_ROUNDS", "MIP_REL_GAP", "ilp"]
-
-DEFAULT_TIME_LIMIT_S = 60.0
-"""Wall-clock limit of one `ilp` call (dp's warm start and every MILP round together)."""
-MAX_POINTS = 80
-"""Candidate points kept for the MILP (dp's chosen cuts are always kept, even beyond this)."""
-MAX_ROUNDS = 4
-"""MILP solves per call: the first, and re-solves with a budget corrected by the simulator."""
-MIP_REL_GAP = 1e-3
-"""Relative MIP gap (of the MILP's own objective) at which the solver stops and reports optimal."""
-MIB = float(2**20)
 
 
 # -- solver selection ------------------------------------------------------------------------------
@@ -156,24 +168,14 @@ class _Chain:
         fwd = g.forward
         n = len(fwd)
         self.n_pts = len(pts)
-        # Early stop (as in dp.chain_model / simulate): the last op a region ending at b replays.
-        stop = [-1] * n
-        cur = -1
-        q1: dict[int, int] = {}
-        for k, i in enumerate(fwd):
-            if g.saves[i]:
-                cur = k if set(g.saves[i]) & set(g.new[i]) else k - 1
-            stop[k] = cur
-            for st in g.saves[i]:
-                if st not in g.fixed_storages and st not in q1:
-                    q1[st] = k
+        stop = early_stops(profile)  # a matmul after the early stop is not replayed anyway
+        q1 = first_savers(profile)
         self.units: list[_Unit] = []
         for u in range(len(pts) - 1):
             a, b = m.cuts[pts[u]] + 1, m.cuts[pts[u + 1]]
             unit = _Unit(u)
-            for k in range(a, b + 1):
-                nd = profile.nodes[fwd[k]]
-                if not _is_matmul(nd.op) or k > stop[b] or g.time[fwd[k]] <= 0:
+            for k in matmul_positions(profile, a, b):
+                if k > stop[b] or g.time[fwd[k]] <= 0:
                     continue
                 w = sum(g.sbytes[st] for st in g.new[fwd[k]])
                 held = sum(g.sbytes[st] for st in g.new[fwd[k]] if q1.get(st, n) <= b)
@@ -186,7 +188,7 @@ class _Chain:
         # beyond it (the loss, the model output), calibrated on the unchecked step.
         self.g_fwd_mib = (g.fixed_bytes + max(0.0, none.after_forward_bytes - keep_all)) / MIB
 
-    def arcs(self):
+    def arcs(self) -> Iterator[tuple[int, int, int, float, float, float]]:
         """(i, j, type) over coarsened point indices, with time ms, add and own MiB."""
         m, pts = self.m, self.pts
         for i in range(self.n_pts - 1):
@@ -261,8 +263,8 @@ class _Chain:
             prob += v <= x[u, u + 1, CKPT], f"sel_{u}_{k}"
         return _Milp(prob, x, s, p)
 
-    # -- plans: [(i, j, type, saved positions)] over coarsened point indices ------------------------
-    def model_peak(self, plan) -> tuple[float, list[float]]:
+    # -- plans over coarsened point indices (`Plan`) -------------------------------------------------
+    def model_peak(self, plan: Plan) -> tuple[float, list[float]]:
         """The model's peak (bytes) of a plan, and its P values (MiB)."""
         m, pts = self.m, self.pts
         sel = {u.i: {k: (w, d) for k, w, d, _ in u.sel} for u in self.units}
@@ -276,23 +278,23 @@ class _Chain:
         peak = max(peak + self.g_mib, kept + self.g_fwd_mib)
         return peak * MIB, ps
 
-    def regions(self, plan) -> tuple[Region, ...]:
-        g = graph_index(self.profile)
-        m, pts, nodes = self.m, self.pts, self.profile.nodes
+    def regions(self, plan: Plan) -> tuple[Region, ...]:
+        names = graph_index(self.profile).forward_names
+        m, pts = self.m, self.pts
         out = []
         for i, j, t, saved in plan:
             if t == KEEP:
                 continue
             a, b = m.cuts[pts[i]] + 1, m.cuts[pts[j]]
             if t == SEL:
-                ks = [k for k in range(a, b + 1) if _is_matmul(nodes[g.forward[k]].op)]
+                out.append(selective_region(self.profile, a, b))
             else:
-                ks = sorted(saved)
-            out.append(region(self.profile, a, b, tuple(nodes[g.forward[k]].name for k in ks)))
+                out.append(region(self.profile, a, b, tuple(names[k] for k in sorted(saved))))
         return tuple(out)
 
-    def plan_of(self, milp: _Milp):
-        plan = []
+    def plan_of(self, milp: _Milp) -> Plan | None:
+        """The plan of the MILP's solution (None when its intervals do not chain up)."""
+        plan: Plan = []
         i = 0
         nxt = {a[0]: a for a, v in milp.x.items() if (v.varValue or 0) > 0.5}
         while i < self.n_pts - 1:
@@ -304,22 +306,22 @@ class _Chain:
             i = a[1]
         return plan
 
-    def plan_from_regions(self, regs: tuple[Region, ...]):
+    def plan_from_regions(self, regs: tuple[Region, ...]) -> Plan | None:
         """dp's schedule as a plan over the points, or None if it is not in the MILP's space."""
         g = graph_index(self.profile)
-        m, pts, nodes = self.m, self.pts, self.profile.nodes
+        m, pts = self.m, self.pts
         at = {m.cuts[o]: q for q, o in enumerate(pts)}
         sel = {u.i: {k for k, *_ in u.sel} for u in self.units}
-        plan, cur = [], 0
+        plan: Plan = []
+        cur = 0
         for r in regs:
-            a = g.fwd_pos[g.name_to_i[r.start]]
-            b = g.fwd_pos[g.name_to_i[r.end]]
+            a, b = g.position(r.start), g.position(r.end)
             i, j = at.get(a - 1), at.get(b)
             if i is None or j is None or i < cur:
                 return None
             plan += [(q, q + 1, KEEP, []) for q in range(cur, i)]
-            saved = {g.fwd_pos[g.name_to_i[nm]] for nm in r.saved}
-            mms = {k for k in range(a, b + 1) if _is_matmul(nodes[g.forward[k]].op)}
+            saved = {g.position(nm) for nm in r.saved}
+            mms = set(matmul_positions(self.profile, a, b))
             if j == i + 1:
                 if not saved <= mms:
                     return None
@@ -334,7 +336,8 @@ class _Chain:
         plan += [(q, q + 1, KEEP, []) for q in range(cur, self.n_pts - 1)]
         return plan
 
-    def set_initial(self, milp: _Milp, plan) -> None:
+    def set_initial(self, milp: _Milp, plan: Plan) -> None:
+        """Make `plan` the MILP's starting solution."""
         for v in (*milp.x.values(), *milp.s.values()):
             v.setInitialValue(0)
         for i, j, t, saved in plan:
@@ -354,10 +357,9 @@ def _points(profile: Profile, m: ChainModel, keep: set[int]) -> list[int]:
     chosen = set(keep) | {0, k1 - 1}
     if k1 <= MAX_POINTS:
         return list(range(k1))
-    g = graph_index(profile)
     idx = {c: q for q, c in enumerate(m.cuts)}
-    for b in blocks(profile):
-        for c in (g.fwd_pos[b.start] - 1, g.fwd_pos[b.end]):
+    for a, e in block_spans(profile):
+        for c in (a - 1, e):
             if c in idx and len(chosen) < MAX_POINTS:
                 chosen.add(idx[c])
     live = live_bytes_across(profile)
@@ -369,7 +371,8 @@ def _points(profile: Profile, m: ChainModel, keep: set[int]) -> list[int]:
     return sorted(chosen)
 
 
-def _run(chain: _Chain, budget: float, warms: list, time_left: float, backend: str) -> dict:
+def _run(chain: _Chain, budget: float, warms: list[Plan], time_left: float, backend: str
+         ) -> dict[str, Any]:
     """One MILP solve at internal budget `budget`, warm-started from the first plan of `warms`
     that is feasible for it."""
     t_build = time.perf_counter()
@@ -422,16 +425,15 @@ def _run(chain: _Chain, budget: float, warms: list, time_left: float, backend: s
     return res
 
 
-@register("ilp")
 def ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
-    """The cheapest schedule the MILP finds within `time_limit_s` (default 60 s) that the
-    simulator says fits; never worse than `dp`'s."""
+    """The cheapest schedule the MILP finds within `time_limit_s` (None: `DEFAULT_TIME_LIMIT_S`)
+    that the simulator says fits; never worse than `dp`'s."""
     backend = _backend()
     t0 = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else float(time_limit_s)
     deadline = t0 + limit
 
-    d = dp_solve(profile, budget_bytes, None)
+    d = dp(profile, budget_bytes, None)
     d_sim = simulate(profile, d.regions)
     d_fits = d_sim.peak_bytes <= budget_bytes
     dp_s = time.perf_counter() - t0
@@ -441,13 +443,13 @@ def ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) 
     g = graph_index(profile)
     keep: set[int] = set()
     for r in d.regions if d_fits else ():
-        for c in (g.fwd_pos[g.name_to_i[r.start]] - 1, g.fwd_pos[g.name_to_i[r.end]]):
+        for c in (g.position(r.start) - 1, g.position(r.end)):
             if c in idx:
                 keep.add(idx[c])
     chain = _Chain(profile, m, _points(profile, m, keep))
     warm = chain.plan_from_regions(d.regions)
 
-    stats: dict = {
+    stats: dict[str, Any] = {
         "backend": backend, "candidates": len(m.cuts) - 2, "points": chain.n_pts,
         "dp_time_s": dp_s, "dp_recompute_ms": d_sim.recompute_ms if d_fits else None,
         "warm_start_ms": d_sim.recompute_ms if (d_fits and warm is not None) else None,
@@ -461,7 +463,7 @@ def ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) 
     min_regs = d.regions
     lo_fail = math.inf
     first_ok = False
-    last: dict = {}
+    last: dict[str, Any] = {}
     any_time_limit = raised = False
     warms = [warm] if (d_fits and warm is not None) else []  # plans that truly fit
     for rnd in range(MAX_ROUNDS):

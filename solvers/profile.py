@@ -21,13 +21,24 @@ import dataclasses
 import gzip
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from solvers.errors import ProfileError
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "PHASES", "ModuleCall", "Node", "ProfileMeta", "Profile"]
+__all__ = [
+    "FIXED_PHASES",
+    "PHASES",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "ModuleCall",
+    "Node",
+    "Profile",
+    "ProfileMeta",
+    "cached",
+]
 
 SCHEMA = "ckpt-planner/profile"
 SCHEMA_VERSION = 2
@@ -133,6 +144,9 @@ class ProfileMeta:
     checkpoint_selective_op_ms: float = 0.0
     """Host time per op of a selective region (its dispatch mode sees every op in forward and in
     the replay), calibrated likewise and on the model's own forward (the larger of the two)."""
+    autocast: str = ""
+    """The dtype forward and loss ran in under `torch.autocast` (``bfloat16``, ``float16``); ""
+    when the step ran without autocast."""
     capture: str = "graph"
     """How the step was captured: ``run`` (`planner.profile` ran one real step; regions are module
     calls, applied to the model in place) or ``graph`` (a traced graph, version 1 profiles, or a
@@ -166,13 +180,14 @@ class Profile:
 
     def __post_init__(self) -> None:
         _validate(self)
-        object.__setattr__(self, "_index", {n.name: i for i, n in enumerate(self.nodes)})
+        # What `cached` derives from this profile; not a field (not compared, printed or saved).
+        object.__setattr__(self, "_derived", {})
 
     # -- derived quantities ------------------------------------------------------------------
     def index(self, name: str) -> int:
         """Position of the node called `name` in `nodes`."""
         try:
-            return self._index[name]  # type: ignore[attr-defined]
+            return cached(self, "node_index", _node_index)[name]
         except KeyError:
             raise KeyError(f"no node named {name!r} in this profile") from None
 
@@ -379,6 +394,27 @@ class Profile:
         except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
             raise ProfileError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(d, source=str(path))
+
+
+_T = TypeVar("_T")
+
+
+def cached(profile: Profile, key: str, build: Callable[[Profile], _T]) -> _T:
+    """`build(profile)`, computed on the first call for this profile object and kept on it.
+
+    A Profile is frozen, so whatever the solvers derive from it (the simulator's integer index,
+    the candidate cuts, dp's segment model, simulations of schedules) can be computed once and
+    shared by every method and every budget. This is the one place that stores such values: each
+    `key` has one builder, and a profile made with `dataclasses.replace` starts with none.
+    """
+    store: dict[str, Any] = profile._derived  # type: ignore[attr-defined]
+    if key not in store:
+        store[key] = build(profile)
+    return store[key]
+
+
+def _node_index(profile: Profile) -> dict[str, int]:
+    return {n.name: i for i, n in enumerate(profile.nodes)}
 
 
 def _is_count(v: object) -> bool:

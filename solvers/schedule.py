@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from solvers.errors import ScheduleError
+from solvers.profile import Profile
 
-__all__ = ["Region", "Schedule", "STATUSES", "SCHEDULE_SCHEMA", "SCHEDULE_VERSION"]
+__all__ = ["Method", "Region", "Schedule", "STATUSES", "SCHEDULE_SCHEMA", "SCHEDULE_VERSION"]
 
 SCHEDULE_SCHEMA = "ckpt-planner/schedule"
 SCHEDULE_VERSION = 1
@@ -124,6 +126,12 @@ class Schedule:
         except (OSError, json.JSONDecodeError) as e:
             raise ScheduleError(f"{path}: cannot read schedule ({e})") from None
         return cls.from_dict(d, source=str(path))
+
+
+Method = Callable[[Profile, int, float | None], Schedule]
+"""The one signature every solver method has, `method(profile, budget_bytes, time_limit_s)`: the
+schedule it proposes for a peak of `budget_bytes` (fixed memory included), taking at most about
+`time_limit_s` seconds when that is not None. `solvers.solve` checks every answer."""
 
 
 def _region_dict(r: Region) -> dict[str, Any]:

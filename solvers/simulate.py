@@ -15,10 +15,9 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   call's arguments reach (`ModuleCall.holds`). Tensors its ops would save are not kept, except
   the outputs of nodes marked saved (selective checkpointing), which are cached from forward.
 - In backward, the first op of the region's backward that unpacks a saved tensor replays the region
-  from its start up to its last op that saves anything (early stop). Early stop fires inside that
-  op: ops pack their saved inputs before they compute and their saved outputs after, so a last
-  saver that saves only inputs (mm, a mul by a dropout mask) is not computed. Every op before the
-  stop is replayed except the saved ones, even ops that only feed saved ones.
+  from its start up to its early stop (`solvers.chain.early_stops`: its last op that saves
+  anything, or the op before it when that op saves only its inputs). Every op before the stop is
+  replayed except the saved ones, even ops that only feed saved ones.
 - Replayed tensors the region's autograd nodes need live until those nodes have run; the others
   die after their last replayed reader, or where the module's code drops them, or when the early
   stop unwinds the replay. A cached (saved) output is consumed by the replay and dies after its
@@ -37,18 +36,23 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from solvers.chain import early_stops
 from solvers.errors import ScheduleError
-from solvers.profile import FIXED_PHASES, Profile
+from solvers.graph import graph_index
+from solvers.profile import FIXED_PHASES, Profile, cached
 from solvers.schedule import Region, Schedule
 
-__all__ = ["CPU_RNG_STATE_BYTES", "Simulation", "simulate", "GraphIndex", "graph_index"]
+__all__ = ["MEMO_SIZE", "Simulation", "simulate"]
 
-CPU_RNG_STATE_BYTES = 5056
-"""Size of `torch.get_rng_state()` (the mt19937 state), saved by every region with random ops."""
+MEMO_SIZE = 4096
+"""Simulations kept per profile (`simulate` is pure: solvers re-check the same schedules across
+methods and budgets); the memo is emptied when it reaches this size."""
 
 
 @dataclass(frozen=True)
 class Simulation:
+    """What one training step under a schedule costs, as `simulate` predicts it."""
+
     peak_bytes: int
     """Peak memory of the step, fixed memory included."""
     recompute_ms: float
@@ -62,92 +66,6 @@ class Simulation:
     """Bytes live when forward and loss are done (fixed memory excluded)."""
 
 
-class GraphIndex:
-    """Integer view of a profile, computed once per profile and shared by all simulations."""
-
-    def __init__(self, p: Profile):
-        nodes = p.nodes
-        self.n = len(nodes)
-        self.name_to_i = {nd.name: i for i, nd in enumerate(nodes)}
-        self.phase = [nd.phase for nd in nodes]
-        self.time = [nd.time_ms for nd in nodes]
-        self.ws = [nd.workspace_bytes for nd in nodes]
-        self.random = [nd.random for nd in nodes]
-        # checkpoint(preserve_rng_state=True) keeps torch.get_rng_state() (a 5056-byte CPU tensor)
-        # from a region's forward to its replay; on a GPU that tensor is host memory and does not
-        # count towards the device's peak.
-        self.rng_state_bytes = CPU_RNG_STATE_BYTES if p.meta.device == "cpu" else 0
-        self.region_ms = p.meta.checkpoint_region_ms
-        self.saved_tensor_ms = p.meta.checkpoint_saved_tensor_ms
-        self.selective_op_ms = p.meta.checkpoint_selective_op_ms
-        self.sbytes = list(p.storage_bytes)
-        self.new = [list(nd.new_storages) for nd in nodes]
-        self.fixed_storages = {
-            s for i, nd in enumerate(nodes) if nd.phase in FIXED_PHASES for s in nd.new_storages
-        }
-        out_storage = [nd.storage for nd in nodes]
-        # Storages each node reads: a tuple-valued input (multi-output op) holds all its outputs.
-        all_reads: list[set[int]] = []
-        for nd in nodes:
-            r: set[int] = set()
-            for name in nd.inputs:
-                j = self.name_to_i[name]
-                if out_storage[j] is not None:
-                    r.add(out_storage[j])
-                else:
-                    r.update(self.new[j])
-            all_reads.append(r)
-        self.reads = [sorted(r - self.fixed_storages) for r in all_reads]
-        self.saves = [sorted(set(nd.saves)) for nd in nodes]
-        # release[s]: the node after which the model's own code dropped its last reference to s
-        # (recorded profiles); a storage with none dies after its last reader.
-        self.release: dict[int, int] = {}
-        for i, nd in enumerate(nodes):
-            for s in nd.releases:
-                self.release[s] = i
-        self.grad_of = [
-            self.name_to_i[nd.grad_of] if nd.grad_of is not None else -1 for nd in nodes
-        ]
-        self.forward = [i for i, ph in enumerate(self.phase) if ph == "forward"]
-        self.fwd_pos = {i: k for k, i in enumerate(self.forward)}
-        self.fwd_end = max((i for i, ph in enumerate(self.phase) if ph in ("forward", "loss")),
-                           default=-1)
-        # bw_end[f]: the last backward op issued by f's autograd node: its saved tensors die there.
-        self.bw_end: dict[int, int] = {}
-        self.bw_first_read: dict[int, int] = {}
-        for i in range(self.n):
-            g = self.grad_of[i]
-            if g >= 0:
-                self.bw_end[g] = i
-                if g not in self.bw_first_read and not all_reads[i].isdisjoint(self.saves[g]):
-                    self.bw_first_read[g] = i
-        for g in list(self.bw_end):
-            if self.saves[g] and g not in self.bw_first_read:
-                self.bw_first_read[g] = self.bw_end[g]
-        # Fixed end-of-step holders: the loss and parameter gradients.
-        self.end = self.n
-        self.persist = set()
-        for name in (p.loss, *p.grads):
-            if name:
-                j = self.name_to_i[name]
-                if out_storage[j] is not None:
-                    self.persist.add(out_storage[j])
-                self.persist.update(self.new[j])
-        self.fixed_bytes = p.fixed_bytes
-        self.call_holds = {(c.start, c.end): c.holds for c in p.calls if c.holds}
-        self.has_optimizer = bool(p.optimizer_state_bytes or p.optimizer_step_bytes)
-        self.optimizer_step_bytes = p.optimizer_step_bytes
-
-
-def graph_index(p: Profile) -> GraphIndex:
-    """The cached GraphIndex of a profile."""
-    g = p.__dict__.get("_graph_index")
-    if g is None:
-        g = GraphIndex(p)
-        object.__setattr__(p, "_graph_index", g)
-    return g
-
-
 @dataclass
 class _Reg:
     nodes: list[int]
@@ -159,10 +77,10 @@ class _Reg:
     holds: tuple[int, ...] = ()
 
 
-def resolve_regions(p: Profile, schedule: Schedule | tuple[Region, ...]) -> list[_Reg]:
+def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
     """Check a schedule's regions against the profile and turn them into node-index sets."""
     g = graph_index(p)
-    regions = schedule.regions if isinstance(schedule, Schedule) else schedule
+    stop = early_stops(p)
     out: list[_Reg] = []
     last_end = -1
     for k, r in enumerate(regions):
@@ -188,15 +106,10 @@ def resolve_regions(p: Profile, schedule: Schedule | tuple[Region, ...]) -> list
                 raise ScheduleError(f"region {k}: saved node {name!r} is not inside the region")
             saved.add(j)
         savers = [i for i in nodes if g.saves[i]]
-        early = max(savers) if savers else -1
-        # Early stop fires inside the last saving op, as soon as it packs its last tensor. Ops pack
-        # their saved inputs before they compute and their saved outputs after: an op that saves
-        # only inputs (mul saving a dropout mask, mm saving its operands) never computes in the
-        # replay, so its output is not allocated and its time not spent.
-        if early >= 0 and not set(g.saves[early]) & set(g.new[early]):
-            early -= 1
-            while early >= 0 and g.phase[early] != "forward":
-                early -= 1
+        # The replay runs the region's ops up to the early stop (`solvers.chain.early_stops`); a
+        # stop before the region's first node replays nothing.
+        e = stop[g.fwd_pos[b]] if savers else -1
+        early = g.forward[e] if e >= 0 else -1
         trigger = min((g.bw_first_read[i] for i in savers if i in g.bw_first_read), default=-1)
         bw_end = max((g.bw_end[i] for i in savers if i in g.bw_end), default=-1)
         produced = {s for i in nodes for s in g.new[i]}
@@ -207,9 +120,31 @@ def resolve_regions(p: Profile, schedule: Schedule | tuple[Region, ...]) -> list
 
 def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
              timeline: bool = False) -> Simulation:
-    """Peak bytes and recompute time of one training step of `p` under `schedule`."""
+    """Peak bytes and recompute time of one training step of `p` under `schedule` (a Schedule or
+    its regions); with `timeline`, also the bytes live after every op.
+
+    Raises `ScheduleError` when a region does not fit the profile (unknown node, not a forward
+    node, overlapping the region before it, a saved node outside it).
+    """
+    regions = schedule.regions if isinstance(schedule, Schedule) else tuple(schedule)
+    if timeline:
+        return _simulate(p, regions, timeline=True)
+    memo: dict[tuple[Region, ...], Simulation] = cached(p, "simulations", lambda _: {})
+    try:
+        sim = memo.get(regions)
+    except TypeError:  # a region built with lists instead of tuples: not hashable
+        return _simulate(p, regions, timeline=False)
+    if sim is None:
+        sim = _simulate(p, regions, timeline=False)
+        if len(memo) >= MEMO_SIZE:
+            memo.clear()
+        memo[regions] = sim
+    return sim
+
+
+def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Simulation:
     g = graph_index(p)
-    regs = [r for r in resolve_regions(p, schedule) if r.trigger >= 0]  # others never replay
+    regs = [r for r in _resolve(p, regions) if r.trigger >= 0]  # others never replay
     region_of = {i: k for k, r in enumerate(regs) for i in r.nodes}
 
     # 1. Original instances: the node index after which each storage is freed.
@@ -326,7 +261,7 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
     for s, t in held.items():
         free_held.setdefault(t, []).append(s)
     sb, ws = g.sbytes, g.ws
-    names = [nd.name for nd in p.nodes]
+    names = g.names
     mem = peak = after_forward = 0
     peak_at = ""
     tl: list[tuple[str, int]] = []

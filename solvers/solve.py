@@ -9,58 +9,60 @@ says the schedule does not fit.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import time
-from collections.abc import Callable
 
-from solvers.chain import bind, in_place
+from solvers import baselines
+from solvers.chain import applicable, bind, in_place
+from solvers.dp import dp
 from solvers.errors import SolverUnavailableError
 from solvers.profile import Profile
-from solvers.schedule import Schedule
+from solvers.schedule import Method, Schedule
 from solvers.simulate import simulate
 
-__all__ = ["METHODS", "applicable", "available_methods", "finish", "register", "smallest_peak",
-           "solve"]
+__all__ = [
+    "AUTO_ILP_TIME_LIMIT_S",
+    "BASELINES",
+    "METHODS",
+    "Method",
+    "applicable",
+    "available_methods",
+    "finish",
+    "smallest_peak",
+    "solve",
+]
 
-Method = Callable[[Profile, int, "float | None"], Schedule]
-METHODS: dict[str, Method] = {}
-"""Registered methods by name; `auto` is not one of them (it runs them all)."""
 
-BASELINES = ("none", "per_block", "sqrt_n", "chen_greedy", "every_k", "selective_matmul")
+def _ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
+    """`solvers.ilp.ilp`, imported when first used: only this method needs PuLP, and importing
+    it costs more than the rest of the package."""
+    try:
+        from solvers.ilp import ilp as milp
+    except ImportError as e:
+        raise SolverUnavailableError(
+            f"method 'ilp' needs PuLP, which cannot be imported ({e}); install it with "
+            "`pip install pulp highspy`"
+        ) from None
+    return milp(profile, budget_bytes, time_limit_s)
+
+
+METHODS: dict[str, Method] = {
+    **baselines.BY_NAME,
+    "dp": dp,
+    "ilp": _ilp,
+}
+"""Every method `solve` knows, by name, in the order `auto` tries them; `auto` is not one of them
+(it runs them all). To try another method, pass it as `solve(method=fn)`."""
+
+BASELINES: tuple[str, ...] = tuple(baselines.BY_NAME)
+"""The baselines' names: the methods `dp` and `ilp` are compared against."""
 AUTO_ILP_TIME_LIMIT_S = 10.0
-"""`auto` gives the ILP this long when no time limit is set (the ILP alone defaults to 60 s)."""
-_OPTIONAL = ("solvers.ilp",)  # registered on import when their dependencies are installed
-_loaded = False
-
-
-def register(name: str) -> Callable[[Method], Method]:
-    """Decorator: make `fn(profile, budget_bytes, time_limit_s) -> Schedule` available by name."""
-
-    def deco(fn: Method) -> Method:
-        METHODS[name] = fn
-        return fn
-
-    return deco
-
-
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    importlib.import_module("solvers.baselines")
-    importlib.import_module("solvers.dp")
-    for mod in _OPTIONAL:
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            pass
+"""Seconds `auto` gives the ILP when no time limit is set (shorter than the ILP's own default,
+`solvers.ilp.DEFAULT_TIME_LIMIT_S`: in `auto` it is one method of several)."""
 
 
 def available_methods() -> list[str]:
     """Names accepted by `solve(method=...)`, `auto` first."""
-    _load()
     return ["auto", *METHODS]
 
 
@@ -89,12 +91,6 @@ def finish(profile: Profile, schedule: Schedule, budget_bytes: int) -> Schedule:
     )
 
 
-def applicable(schedule: Schedule) -> bool:
-    """Every region of `schedule` is a module call (or it has none): `planner.apply` can put it
-    onto the model's own modules."""
-    return all(r.module is not None for r in schedule.regions)
-
-
 def _better(a: Schedule, b: Schedule | None) -> bool:
     """Is `a` a better answer than `b`: feasible first, then less recompute, then lower peak."""
     if b is None:
@@ -112,28 +108,57 @@ def _better(a: Schedule, b: Schedule | None) -> bool:
 def solve(
     profile: Profile,
     budget_bytes: int,
-    method: str = "auto",
+    method: str | Method = "auto",
     time_limit_s: float | None = None,
 ) -> Schedule:
     """The schedule of `method` for `profile` under a peak of `budget_bytes` (fixed memory included).
 
-    Never raises for an infeasible budget: the status is then ``infeasible`` and `min_peak_bytes`
-    holds the smallest peak the method found. `auto` runs every registered method and returns the
-    feasible schedule with the least recompute time (ties: the lower peak).
+    `method` is a name from `available_methods()`, or a function with the methods' signature
+    (`Method`: ``fn(profile, budget_bytes, time_limit_s) -> Schedule``), as networkx's
+    `flow_func` is: its answer is checked like every method's. Never raises for an infeasible
+    budget: the status is then ``infeasible`` and `min_peak_bytes` holds the smallest peak the
+    method found. `auto` runs every method of `METHODS` and returns the feasible schedule with the
+    least recompute time (ties: the lower peak).
     """
-    _load()
-    if method != "auto" and method not in METHODS:
-        raise ValueError(
-            f"unknown method {method!r}; expected one of {', '.join(available_methods())}"
-        )
     budget_bytes = int(budget_bytes)
-    t0 = time.perf_counter()
-    if method != "auto":
-        sched = METHODS[method](profile, budget_bytes, time_limit_s)
-        sched = finish(profile, dataclasses.replace(sched, method=method), budget_bytes)
-        return dataclasses.replace(
-            sched, stats={**sched.stats, "solve_time_s": time.perf_counter() - t0}
+    if callable(method):
+        return _run(profile, budget_bytes, method, _name_of(method), time_limit_s)
+    if method == "auto":
+        return _auto(profile, budget_bytes, time_limit_s)
+    if method not in METHODS:
+        raise ValueError(
+            f"unknown method {method!r}; expected one of {', '.join(available_methods())} "
+            "or a function fn(profile, budget_bytes, time_limit_s) -> Schedule"
         )
+    return _run(profile, budget_bytes, METHODS[method], method, time_limit_s)
+
+
+def _name_of(fn: Method) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _run(profile: Profile, budget_bytes: int, fn: Method, name: str,
+         time_limit_s: float | None) -> Schedule:
+    """One method's answer, checked by `finish`, named `name`, with its solve time."""
+    t0 = time.perf_counter()
+    sched = fn(profile, budget_bytes, time_limit_s)
+    if not isinstance(sched, Schedule):
+        raise TypeError(
+            f"method {name!r} returned a {type(sched).__name__}, expected a solvers.Schedule"
+        )
+    sched = finish(profile, dataclasses.replace(sched, method=name), budget_bytes)
+    return dataclasses.replace(
+        sched, stats={**sched.stats, "solve_time_s": time.perf_counter() - t0}
+    )
+
+
+def _usable(profile: Profile, schedule: Schedule) -> bool:
+    """A recorded profile's schedule must be applicable to the model's modules."""
+    return not in_place(profile) or applicable(schedule)
+
+
+def _auto(profile: Profile, budget_bytes: int, time_limit_s: float | None) -> Schedule:
+    t0 = time.perf_counter()
     best: Schedule | None = None
     tried: dict[str, str] = {}
     min_peak = math.inf
@@ -146,14 +171,14 @@ def solve(
         except SolverUnavailableError:
             tried[name] = "unavailable"
             continue
-        if in_place(profile) and not applicable(s):
+        if not _usable(profile, s):
             tried[name] = "not applicable in place"
             continue
         tried[name] = s.status
         min_peak = min(min_peak, s.predicted_peak_bytes, s.min_peak_bytes or math.inf)
         if _better(s, best):
             best = s
-    assert best is not None
+    assert best is not None  # `none` is always applicable
     stats = {**best.stats, "solve_time_s": time.perf_counter() - t0, "auto_tried": tried}
     if not best.feasible:
         return dataclasses.replace(best, min_peak_bytes=int(min_peak), stats=stats)
@@ -161,13 +186,16 @@ def solve(
 
 
 def smallest_peak(profile: Profile, time_limit_s: float | None = 10.0) -> int:
-    """The lowest simulated peak any registered method reaches (for "raise the budget" messages);
-    on a recorded profile, among schedules that can be applied in place."""
-    _load()
+    """The lowest simulated peak any method of `METHODS` reaches (for "raise the budget"
+    messages); on a recorded profile, among schedules that can be applied in place. Methods whose
+    solver is not installed are left out."""
     best = math.inf
     for name in METHODS:
-        s = solve(profile, 0, name, time_limit_s)
-        if in_place(profile) and not applicable(s):
+        try:
+            s = solve(profile, 0, name, time_limit_s)
+        except SolverUnavailableError:
+            continue
+        if not _usable(profile, s):
             continue
         best = min(best, s.predicted_peak_bytes, s.min_peak_bytes or math.inf)
     return int(best)

@@ -24,7 +24,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def solver_cases():
-    """The hand-built profiles of `tests.solver_cases`, built once per session."""
+    """The hand-built profiles of `tests.solver_cases`, built once per session.
+
+    Tests share these objects, and with them what the solvers keep per profile (the simulator's
+    index, dp's verified plans): an assertion must hold whatever ran on the profile before.
+    A test that changes a profile makes its own copy (`dataclasses.replace`).
+    """
     from tests.solver_cases import CASES
 
     return {name: build() for name, build in CASES.items()}

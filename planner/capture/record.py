@@ -54,6 +54,7 @@ __all__ = [
     "StepSpec",
     "check_inputs",
     "default_loss",
+    "end_of_autocast",
     "is_view",
     "op_name",
     "record_step",
@@ -259,6 +260,10 @@ class StepSpec:
     buffers: dict[str, torch.Tensor]
     call: Callable[[], Any]
     """Runs the model's forward on the inputs and returns its output."""
+    autocast: torch.dtype | None = None
+    """Run forward and loss under ``torch.autocast(device_type, dtype=autocast)`` and backward
+    outside it, as PyTorch's mixed-precision recipe does."""
+    device_type: str = "cpu"
 
 
 class _Packed:
@@ -620,6 +625,17 @@ class _Recorder(TorchDispatchMode):
                 h.remove()
 
 
+def end_of_autocast() -> None:
+    """Where a training step's ``with torch.autocast(...)`` block starts and ends (before forward;
+    after the loss, before backward): drop autocast's cache of weights cast to the lower
+    precision, as entering and leaving that block does. Inside an enclosing autocast context
+    (planning or measuring within the user's own block) the cache would otherwise outlive a step,
+    and its hits would hide casts from the next one (a selective region's replay would then not
+    find the casts its forward ran)."""
+    if any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        torch.clear_autocast_cache()
+
+
 def _check_loss(loss: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise CkptPlannerError(
@@ -651,19 +667,24 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
     )
     mod_ctx = rec.module_hooks(spec.model) if rec is not None and hooks else contextlib.nullcontext()
     out_sids: list[int] = []
+    amp = (torch.autocast(spec.device_type, dtype=spec.autocast) if spec.autocast is not None
+           else contextlib.nullcontext())
+    end_of_autocast()  # a step starts with an empty cast cache, as a fresh autocast block does
     with pack_ctx:
-        if rec is not None:
-            rec.phase = "forward"
-        with mod_ctx:
-            out = spec.call()
-        if rec is not None:
-            rec.phase = "loss"
-            if rec.structure:
-                out_sids = [rec.sid(t) for t in _tensors(out)]
-                if hooks:
-                    rec.resolve_holds()
-        loss = _check_loss(spec.loss_fn(out))
-        del out  # a training loop drops the output once the loss is computed
+        with amp:
+            if rec is not None:
+                rec.phase = "forward"
+            with mod_ctx:
+                out = spec.call()
+            if rec is not None:
+                rec.phase = "loss"
+                if rec.structure:
+                    out_sids = [rec.sid(t) for t in _tensors(out)]
+                    if hooks:
+                        rec.resolve_holds()
+            loss = _check_loss(spec.loss_fn(out))
+            del out  # a training loop drops the output once the loss is computed
+        end_of_autocast()
         loss_sid = rec.sid(loss) if rec is not None and rec.structure else -1
     if rec is not None:
         rec.phase = "backward"

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 
 from planner.cli import main
-from tests.solver_cases import MIB, chain4
+from tests.solver_cases import MIB
 
 GIB = 2**30
 FIXED = MIB + 1024
 
 
-def test_plan_table_and_schedule(tmp_path, capsys):
-    path = chain4().save(tmp_path / "chain4.json")
+def test_plan_table_and_schedule(solver_cases, tmp_path, capsys):
+    path = solver_cases["chain4"].save(tmp_path / "chain4.json")
     out = tmp_path / "schedule.json"
     budget = 12 * MIB + FIXED + 8  # the smallest peak, worked out in test_solvers
     rc = main(["plan", str(path), "--budget-bytes", str(budget), "--method", "dp", "-o", str(out)])
@@ -27,14 +27,14 @@ def test_plan_table_and_schedule(tmp_path, capsys):
     assert d["predicted_recompute_ms"] == 1.0 and d["regions"][0]["end"] == "f1"
 
 
-def test_plan_budget_gb_auto(tmp_path, capsys):
-    path = chain4().save(tmp_path / "chain4.json")
+def test_plan_budget_gb_auto(solver_cases, tmp_path, capsys):
+    path = solver_cases["chain4"].save(tmp_path / "chain4.json")
     assert main(["plan", str(path), "--budget-gb", "1"]) == 0
     assert "auto (" in capsys.readouterr().out
 
 
-def test_plan_infeasible(tmp_path, capsys):
-    path = chain4().save(tmp_path / "chain4.json")
+def test_plan_infeasible(solver_cases, tmp_path, capsys):
+    path = solver_cases["chain4"].save(tmp_path / "chain4.json")
     rc = main(["plan", str(path), "--budget-gb", "0.001"])
     err = capsys.readouterr().err
     assert rc == 1
@@ -42,8 +42,8 @@ def test_plan_infeasible(tmp_path, capsys):
     assert "below the smallest achievable peak" in err and f"{smallest:.4f} GiB" in err
 
 
-def test_plan_sweep_and_plot(tmp_path, capsys):
-    path = chain4().save(tmp_path / "chain4.json")
+def test_plan_sweep_and_plot(solver_cases, tmp_path, capsys):
+    path = solver_cases["chain4"].save(tmp_path / "chain4.json")
     png = tmp_path / "frontier.png"
     assert main(["plan", str(path), "--sweep", "--plot", str(png)]) == 0
     text = capsys.readouterr().out
@@ -51,7 +51,7 @@ def test_plan_sweep_and_plot(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
-def test_plan_unknown_method(tmp_path, capsys):
-    path = chain4().save(tmp_path / "chain4.json")
+def test_plan_unknown_method(solver_cases, tmp_path, capsys):
+    path = solver_cases["chain4"].save(tmp_path / "chain4.json")
     assert main(["plan", str(path), "--budget-gb", "1", "--method", "nope"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err

@@ -366,7 +366,8 @@ def _run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_import_solvers_without_torch(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PYTHONPATH"] = str(REPO)
-    check = "import solvers, sys; assert 'torch' not in sys.modules, 'solvers imported torch'"
+    check = ("import sys, solvers, solvers.baselines, solvers.dp, solvers.ilp; "
+             "assert 'torch' not in sys.modules, 'solvers imported torch'")
     r = _run_python(check, env)
     assert r.returncode == 0, r.stderr
 

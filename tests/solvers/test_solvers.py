@@ -2,35 +2,23 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from solvers import Region, Schedule, available_methods, simulate, solve
-from solvers.baselines import region, units
-from solvers.candidates import blocks, cut_points, live_bytes_across, valid_cuts
-from solvers.simulate import graph_index
-from solvers.solve import BASELINES, smallest_peak
-from tests.solver_cases import CASES, MIB, Op, build, chain, chain4, residual, sqrt_n_trap
+from solvers import BASELINES, Region, Schedule, available_methods, simulate, smallest_peak, solve
+from solvers.chain import blocks, cut_points, live_bytes_across, region, units, valid_cuts
+from solvers.graph import graph_index
+from tests.solver_cases import CASES, MIB, Op, build, chain
 
 FIXED = MIB + 1024  # input + weight of every hand-built profile
 METHODS = [m for m in available_methods() if m != "auto"]
 
 
-def test_solvers_do_not_import_torch():
-    assert "torch" not in sys.modules or "solvers" not in str(sys.modules.get("torch"))
-    import subprocess
-
-    code = "import solvers, solvers.dp, solvers.baselines, sys; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 # -- known optima, worked out by hand --------------------------------------------------------------
-def test_chain4_by_hand():
+def test_chain4_by_hand(solver_cases):
     # No checkpointing: at b3, outputs of f0..f2 (12 MiB) + grad of f2 (4 MiB) + fixed.
-    p = chain4()
+    p = solver_cases["chain4"]
     assert simulate(p).peak_bytes == 16 * MIB + FIXED + 8  # + the 4-byte loss and seed
     # Best under 13 MiB of activations: region f0..f1 drops f0's output; its replay re-runs f0 only
     # (f1 saves just its input, so early stop fires before it computes): 1 ms. Peak 12 MiB at b3
@@ -44,10 +32,10 @@ def test_chain4_by_hand():
     assert solve(p, 10**12, "dp").regions == ()
 
 
-def test_residual_by_hand():
+def test_residual_by_hand(solver_cases):
     # Exhaustive search over all region sets (see solver_cases) gives the frontier
     # 33 MiB -> 3 ms, 37 -> 2 ms, 41 -> 1 ms, 49 (no regions) -> 0 ms (activations + fixed).
-    p = residual()
+    p = solver_cases["residual"]
     for act_mib, best_ms in ((49, 0.0), (41, 1.0), (37, 2.0), (33, 3.0)):
         s = solve(p, act_mib * MIB + FIXED + 8, "dp")
         assert s.feasible, (act_mib, s)
@@ -55,27 +43,31 @@ def test_residual_by_hand():
     assert blocks(p)[0].name == "layers.0" and len(blocks(p)) == 2
 
 
-def test_sqrt_n_is_wrong_on_the_trap():
+def test_sqrt_n_is_wrong_on_the_trap(solver_cases):
     # sqrt(8) ~ 3 segments of 3, 2 and 3 blocks: the middle one holds the slow block 5 (100 ms of
     # its ops; early stop skips the last one) and pays it again in backward. At sqrt_n's own peak
     # the dp checkpoints the cheap blocks and keeps block 5.
-    p = sqrt_n_trap()
+    p = solver_cases["sqrt_n_trap"]
     sq = solve(p, 10**12, "sqrt_n")
     assert len(sq.regions) == 3 and sq.predicted_recompute_ms > 50
     d = solve(p, sq.predicted_peak_bytes, "dp")
     assert d.feasible and d.predicted_recompute_ms < 20
 
 
-def test_candidates():
-    p = residual()
+def test_candidates(solver_cases):
+    p = solver_cases["residual"]
     g = graph_index(p)
-    live = live_bytes_across(p)
-    assert len(live) == len(g.forward) and all(v >= 0 for v in live)
+    # Bytes crossing the cut after each forward position (block b is f4b..f4b+3; f4b+3 reads
+    # f4b+2 and the block's input, f3 for block 1, the fixed input x for block 0):
+    # f0 | f1 (8 MiB) | f2 | f3, then f3 stays live across block 1 until f7 reads it.
+    assert live_bytes_across(p) == tuple(m * MIB for m in (4, 8, 4, 4, 8, 12, 8, 0))
     assert all(valid_cuts(p))
-    cuts = cut_points(p)
-    assert all(g.phase[i] == "forward" for i in cuts)
-    # The boundary between the two blocks is always a candidate.
-    assert blocks(p)[0].end in cuts
+    # The block boundary (after f3), and the local minima of the live bytes: after f0, the flat
+    # minimum after f2 and f3, and after f6 (the last position is the chain's end, never listed).
+    assert [g.fwd_pos[i] for i in cut_points(p)] == [0, 2, 3, 6]
+    # With matmul cuts, also after every mm (even positions) that is not one already.
+    assert [g.fwd_pos[i] for i in cut_points(p, matmul_cuts=True)] == [0, 2, 3, 4, 6]
+    assert blocks(p)[0].end in cut_points(p)
 
 
 def test_inplace_cut_is_invalid():
@@ -90,7 +82,7 @@ def test_inplace_cut_is_invalid():
     nodes[k] = Node(name="f2", op="aten.mul_.Tensor", phase="forward", inputs=("f0", "f1"),
                     storage=f0s, saves=(s1,), time_ms=1.0)
     p = Profile(nodes=tuple(nodes), storage_bytes=base.storage_bytes, loss=base.loss)
-    assert valid_cuts(p) == [False, False, True]
+    assert valid_cuts(p) == (False, False, True)
     assert all(graph_index(p).fwd_pos[i] >= 2 for i in cut_points(p))
 
 
@@ -102,8 +94,8 @@ def _budgets(p):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_every_method_every_case(case):
-    p = CASES[case]()
+def test_every_method_every_case(solver_cases, case):
+    p = solver_cases[case]
     for b in _budgets(p):
         results = {m: solve(p, b, m) for m in METHODS}
         for m, s in results.items():
@@ -126,19 +118,23 @@ def test_every_method_every_case(case):
         assert a.feasible == any(s.feasible for s in results.values())
 
 
-def test_unknown_method():
+def test_unknown_method(solver_cases):
     with pytest.raises(ValueError, match="unknown method 'nope'.*dp"):
-        solve(chain4(), 10**9, "nope")
+        solve(solver_cases["chain4"], 10**9, "nope")
 
 
-def test_baseline_shapes():
-    p = sqrt_n_trap()
-    assert len(units(p)) == 8
-    assert len(solve(p, 10**12, "per_block").regions) == 8
-    assert len(solve(p, 10**12, "sqrt_n").regions) == 3
-    sel = solve(p, 10**12, "selective_matmul")
-    assert all(r.saved for r in sel.regions)
-    assert isinstance(region(p, 0, 1), Region)
+def test_baseline_shapes(solver_cases):
+    p = solver_cases["sqrt_n_trap"]
+    assert units(p) == tuple((2 * b, 2 * b + 1) for b in range(8))  # one unit per block
+    assert region(p, 0, 1) == Region(start="f0", end="f1")
+    per_block = solve(p, 10**12, "per_block").regions
+    assert [(r.start, r.end) for r in per_block] == [(f"f{2 * b}", f"f{2 * b + 1}") for b in range(8)]
+    # round(8 * t / 3) for t = 0..3 splits the 8 blocks 3 + 2 + 3.
+    sq = solve(p, 10**12, "sqrt_n").regions
+    assert [(r.start, r.end) for r in sq] == [("f0", "f5"), ("f6", "f9"), ("f10", "f15")]
+    # Each block is mm (f2b, saved) then relu (f2b+1, recomputed).
+    sel = solve(p, 10**12, "selective_matmul").regions
+    assert [r.saved for r in sel] == [(f"f{2 * b}",) for b in range(8)]
 
 
 # -- properties on random profiles -----------------------------------------------------------------
@@ -175,7 +171,7 @@ def test_random_profiles_feasible_or_correctly_infeasible(p, frac):
 @given(random_profiles())
 def test_dp_time_non_increasing_in_budget(p):
     none = simulate(p).peak_bytes
-    low = smallest_peak(p)
+    low = solve(p, 0, "dp").min_peak_bytes  # dp's own smallest peak
     prev = None
     for k in range(8):
         s = solve(p, low + (none - low) * k // 7, "dp")
