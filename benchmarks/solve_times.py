@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from solvers import Profile, available_methods, simulate, solve  # noqa: E402
-from solvers.dp import solve_chain, chain_model  # noqa: E402
+from solvers.dp import chain_model, solve_chain  # noqa: E402
 
 GIB = 2**30
 

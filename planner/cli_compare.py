@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cli import load_spec, SpecError
+    from planner.cli import SpecError, load_spec
 
     try:
         model, example_inputs = load_spec(args.spec)
