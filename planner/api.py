@@ -37,7 +37,8 @@ from planner.profiling import profile
 from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.profile import Profile
 from solvers.schedule import Schedule
-from solvers.solve import BASELINES, smallest_peak, solve
+from solvers.simulate import peak_breakdown
+from solvers.solve import BASELINES, lowest, smallest_peak, solve
 from solvers.units import format_bytes, parse_budget
 
 __all__ = [
@@ -325,15 +326,29 @@ def _check_plannable(model: torch.nn.Module) -> None:
 
 
 def _infeasible(profile: Profile, budget: int, schedule: Schedule) -> InfeasibleBudgetError:
-    least = schedule.min_peak_bytes or smallest_peak(profile)
-    by_module = profile.saved_bytes_by_module()
-    top = sorted(by_module.items(), key=lambda kv: -kv[1])[:3]
-    tops = ", ".join(f"{m or '(top level)'} {format_bytes(b)}" for m, b in top)
+    """The error for a budget below the smallest achievable peak: that peak, what it is made of
+    (which no recomputation shrinks), and what would lower it."""
+    least = lowest(profile)
+    peak = least.predicted_peak_bytes if least.feasible else (
+        schedule.min_peak_bytes or smallest_peak(profile))
+    parts = peak_breakdown(profile, least)
+    shown = "; ".join(f"{k} {format_bytes(v)}" for k, v in parts[:4] if v > 0)
+    names = " ".join(k for k, _ in parts[:4])
+    advice = ["train on a smaller micro-batch or shorter sequences (and accumulate gradients)"]
+    if "lm_head" in names or "loss" in names or "logits" in names:
+        advice.append("compute the loss over the logits in chunks")
+    if "workspace" in names:
+        advice.append("pick a kernel with a smaller workspace for the op at the peak")
+    if profile.meta.device != "cpu":
+        advice.append("offload saved activations to host memory "
+                      "(torch.autograd.graph.save_on_cpu)")
+    if profile.optimizer_state_bytes:
+        advice.append("shard the optimizer state (FSDP2) or use a lighter optimizer")
     return InfeasibleBudgetError(
         f"budget {format_bytes(budget)} is below the smallest achievable peak for this model and "
-        f"batch ({format_bytes(least)}, of which {format_bytes(profile.fixed_bytes)} is "
-        f"parameters, buffers, inputs and optimizer state; largest activations: {tops}); raise "
-        "the budget or lower the batch size"
+        f"batch ({format_bytes(peak)}, with regions nested inside regions where that helps). At "
+        f"that peak: {shown}; recomputation cannot shrink these. Raise the budget, or "
+        + "; or ".join(advice) + "."
     )
 
 
@@ -358,7 +373,8 @@ def plan(
         model: the model you train, in training mode. If a plan is already applied, it is removed
             and the model planned again.
         budget_gb: peak memory of one training step: GiB as a number, or a string with a unit
-            ("24GiB", "16GB"); or pass `budget_bytes`.
+            ("24GiB", "16GB"); or pass `budget_bytes`; or neither, for the cheapest plan at the
+            smallest peak this model and batch can reach.
         example_inputs: a tensor, a tuple of positional args or a dict of kwargs: the largest batch
             you will train with (the budget holds for every batch no larger).
         loss_fn: output -> scalar loss; default ``output.loss`` or the mean of the output. To use
@@ -372,9 +388,11 @@ def plan(
         InfeasibleBudgetError: naming the smallest achievable peak and the largest activations.
         ModelRunError: the model's own training step raised (the message names the module).
     """
-    if (budget_gb is None) == (budget_bytes is None):
-        raise CkptPlannerError("give exactly one of budget_gb (e.g. 8, '8GiB') or budget_bytes")
-    budget = parse_budget(budget_gb) if budget_gb is not None else \
+    if budget_gb is not None and budget_bytes is not None:
+        raise CkptPlannerError("give exactly one of budget_gb (e.g. 8, '8GiB') or budget_bytes "
+                               "(or neither, for the smallest achievable peak)")
+    budget = None if budget_gb is None and budget_bytes is None else \
+        parse_budget(budget_gb) if budget_gb is not None else \
         parse_budget(budget_bytes, name="budget_bytes", unit=1)
     given, model = model, unwrap(model)
     _check_plannable(model)
@@ -388,18 +406,28 @@ def plan(
     prof = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats,
                    autocast=autocast, progress=progress)
     p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
-                          time_limit_s=time_limit_s)
+                          time_limit_s=time_limit_s)  # budget None: the smallest peak
     p.module, p.loss_fn, p.example_inputs, p.optimizer = given, loss_fn, example_inputs, optimizer
     p.autocast = autocast
     p.seconds = {"profile": time.perf_counter() - t0, **p.seconds}
     return p
 
 
-def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes: int,
+def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes: int | None,
                       method: str = "auto", time_limit_s: float | None = None) -> Plan:
     """Solve `profile` (recorded from `model`) for `budget_bytes` and apply the schedule to
-    `model` in place. Leaves `SLACK_BYTES` of the budget unused where a plan can."""
+    `model` in place. Leaves `SLACK_BYTES` of the budget unused where a plan can. With
+    `budget_bytes` None, the cheapest schedule at the smallest achievable peak
+    (`solvers.solve.lowest`), its budget that peak."""
     t0 = time.perf_counter()
+    if budget_bytes is None:
+        schedule = lowest(profile, time_limit_s if time_limit_s is not None else 10.0)
+        apply_schedule(model, schedule)
+        t1 = time.perf_counter()
+        amp = getattr(torch, profile.meta.autocast) if profile.meta.autocast else None
+        return Plan(module=model, schedule=schedule, profile=profile,
+                    budget_bytes=schedule.predicted_peak_bytes, autocast=amp,
+                    seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
     schedule = solve(profile, budget_bytes - SLACK_BYTES, method=method,
                      time_limit_s=time_limit_s)
     if not schedule.feasible:

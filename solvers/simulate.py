@@ -34,6 +34,7 @@ counted where the profile measured it (CPU measure mode).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 
 from solvers.chain import early_stops
@@ -42,7 +43,7 @@ from solvers.graph import graph_index
 from solvers.profile import FIXED_PHASES, Profile, cached
 from solvers.schedule import Region, Schedule
 
-__all__ = ["MEMO_SIZE", "Simulation", "simulate"]
+__all__ = ["MEMO_SIZE", "Simulation", "peak_breakdown", "simulate"]
 
 MEMO_SIZE = 4096
 """Simulations kept per profile (`simulate` is pure: solvers re-check the same schedules across
@@ -64,25 +65,39 @@ class Simulation:
     """(label, bytes live after allocation) for every executed op, when asked for."""
     after_forward_bytes: int = 0
     """Bytes live when forward and loss are done (fixed memory excluded)."""
+    peak_live: tuple[tuple[int, bool], ...] = field(repr=False, default=())
+    """With `timeline`: the storages live at the peak, each with whether a replay made it."""
+    peak_workspace_bytes: int = 0
+    """With `timeline`: the workspace of the op at the peak (included in `peak_bytes`)."""
 
 
 @dataclass
 class _Reg:
     nodes: list[int]
+    """Every forward node in the region's span, its children's included."""
     saved: set[int]
     early_stop: int
+    """Node index: the replay runs the span's nodes up to here (-1: nothing)."""
     trigger: int
     bw_end: int
     produced: set[int]
     holds: tuple[int, ...] = ()
+    own: list[int] = field(default_factory=list)
+    """The nodes in no child region: their saves belong to this region."""
+    children: list[int] = field(default_factory=list)
+    parent: int = -1
+    depth: int = 0
+    inputs: set[int] = field(default_factory=set)
+    """Storages its nodes read that it does not produce."""
 
 
 def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
-    """Check a schedule's regions against the profile and turn them into node-index sets."""
+    """Check a schedule's regions against the profile and turn them into node-index sets: a
+    forest, where a region inside another is its child (nested checkpoint). Regions that save
+    nothing are left out (they never replay), their nodes belonging to their parent."""
     g = graph_index(p)
     stop = early_stops(p)
-    out: list[_Reg] = []
-    last_end = -1
+    spans: list[tuple[int, int, int]] = []
     for k, r in enumerate(regions):
         try:
             a, b = g.name_to_i[r.start], g.name_to_i[r.end]
@@ -95,9 +110,32 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
             raise ScheduleError(f"region {k} ({r.start}..{r.end}) must start and end on forward nodes")
         if a > b:
             raise ScheduleError(f"region {k} starts after it ends ({r.start} > {r.end})")
-        if a <= last_end:
+        spans.append((a, b, k))
+    spans.sort(key=lambda t: (t[0], -t[1]))
+    # Regions must be in order of their start, an outer region before the ones inside it; two
+    # regions either nest or are disjoint.
+    open_: list[tuple[int, int, int]] = []  # enclosing spans, innermost last
+    last_end = -1
+    parent_of: dict[int, int] = {}
+    for a, b, k in spans:
+        r = regions[k]
+        while open_ and open_[-1][1] < a:
+            open_.pop()
+        if open_:
+            pa, pb, pk = open_[-1]
+            if b > pb or (a, b) == (pa, pb):
+                raise ScheduleError(
+                    f"region {k} ({r.start}..{r.end}) overlaps region {pk} without nesting in it"
+                    if b > pb else f"region {k} ({r.start}..{r.end}) repeats region {pk}'s nodes"
+                )
+            parent_of[k] = pk
+        elif a <= last_end:
             raise ScheduleError(f"region {k} ({r.start}..{r.end}) overlaps the region before it")
-        last_end = b
+        last_end = max(last_end, b)
+        open_.append((a, b, k))
+    raw: dict[int, _Reg] = {}
+    for a, b, k in spans:
+        r = regions[k]
         nodes = [i for i in range(a, b + 1) if g.phase[i] == "forward"]
         saved = set()
         for name in r.saved:
@@ -105,16 +143,67 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
             if j is None or not a <= j <= b:
                 raise ScheduleError(f"region {k}: saved node {name!r} is not inside the region")
             saved.add(j)
-        savers = [i for i in nodes if g.saves[i]]
-        # The replay runs the region's ops up to the early stop (`solvers.chain.early_stops`); a
-        # stop before the region's first node replays nothing.
-        e = stop[g.fwd_pos[b]] if savers else -1
-        early = g.forward[e] if e >= 0 else -1
-        trigger = min((g.bw_first_read[i] for i in savers if i in g.bw_first_read), default=-1)
-        bw_end = max((g.bw_end[i] for i in savers if i in g.bw_end), default=-1)
         produced = {s for i in nodes for s in g.new[i]}
-        holds = g.call_holds.get((r.start, r.end), ()) if r.module is not None else ()
-        out.append(_Reg(nodes, saved, early, trigger, bw_end, produced, holds))
+        holds = g.call_holds.get((r.start, r.end), ())  # the call this region is, if any
+        inputs = {s for i in nodes for s in g.reads[i]} - produced
+        raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs)
+    # A region that never replays (none of its saved tensors is read in backward) is left out,
+    # its nodes belonging to its parent; leaving one out can change its parent, so repeat.
+    keep = [k for _, _, k in spans]
+    while True:
+        out = _forest(g, stop, [raw[k] for k in keep], keep, parent_of)
+        idle = {keep[n] for n, r in enumerate(out) if r.trigger < 0}
+        if not idle:
+            return out
+        keep = [k for k in keep if k not in idle]
+
+
+def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int]
+            ) -> list[_Reg]:
+    """Link `regs` (in span order, outer first; `keys` their schedule indices) into a forest and
+    compute each region's own nodes, early stop, trigger and backward end, children first."""
+    at = {k: n for n, k in enumerate(keys)}
+    out = [dataclasses.replace(r, children=[], parent=-1) for r in regs]
+    for n, k in enumerate(keys):
+        pk = parent_of.get(k, -1)
+        while pk >= 0 and pk not in at:  # an ancestor left out: the next one up
+            pk = parent_of.get(pk, -1)
+        if pk >= 0:
+            out[n].parent = at[pk]
+            out[at[pk]].children.append(n)
+    for r in out:
+        r.depth = 0 if r.parent < 0 else out[r.parent].depth + 1
+        if (r.children or r.parent >= 0) and r.saved:
+            raise ScheduleError("a selective region (saved nodes) cannot nest or be nested")
+    for n in range(len(out) - 1, -1, -1):
+        r = out[n]
+        inner = {i for c in r.children for i in out[c].nodes}
+        r.own = [i for i in r.nodes if i not in inner]
+        savers = [i for i in r.own if g.saves[i]]
+        if not r.children:
+            # The replay runs the region's ops up to the early stop (`solvers.chain.early_stops`);
+            # a stop before the region's first node replays nothing.
+            e = stop[g.fwd_pos[r.nodes[-1]]] if savers else -1
+            r.early_stop = g.forward[e] if e >= 0 else -1
+        else:
+            # A child's inputs count as tensors the parent saves, packed as the child starts: the
+            # parent's replay stops at its last own saver (inside it, as for a flat region) or at
+            # the start of its last child, before the child's ops.
+            last_own = max(savers, default=-1)
+            last_child = max(out[c].nodes[0] for c in r.children)
+            if last_child > last_own:
+                r.early_stop = last_child - 1
+            else:
+                r.early_stop = last_own if set(g.saves[last_own]) & set(g.new[last_own]) \
+                    else last_own - 1
+            while r.early_stop >= 0 and g.phase[r.early_stop] != "forward":
+                r.early_stop -= 1
+        triggers = [g.bw_first_read[i] for i in savers if i in g.bw_first_read]
+        triggers += [out[c].trigger for c in r.children if out[c].trigger >= 0]
+        r.trigger = min(triggers, default=-1)
+        ends = [g.bw_end[i] for i in savers if i in g.bw_end]
+        ends += [out[c].bw_end for c in r.children]
+        r.bw_end = max(ends, default=-1)
     return out
 
 
@@ -144,8 +233,10 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
 
 def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Simulation:
     g = graph_index(p)
-    regs = [r for r in _resolve(p, regions) if r.trigger >= 0]  # others never replay
-    region_of = {i: k for k, r in enumerate(regs) for i in r.nodes}
+    regs = _resolve(p, regions)
+    # A node's backward reads the copy its outermost region's replays make of anything produced
+    # inside that region; the original is kept only if produced outside it.
+    region_of = {i: k for k, r in enumerate(regs) if r.parent < 0 for i in r.nodes}
 
     # 1. Original instances: the node index after which each storage is freed.
     last: dict[int, int] = {}
@@ -176,30 +267,55 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
             if s not in g.fixed_storages and g.bw_end[f] > last.get(s, -1):
                 last[s] = g.bw_end[f]
 
-    # 2. Regions: inputs held by the frame; selective saves held until the replay; replay copies.
+    # 2. Regions: inputs held by the (outermost) frame; selective saves held until the replay;
+    # each region's replay, a parent's before its children's.
     replay_at: dict[int, list[int]] = {}
     replay_ops: dict[int, list[tuple[int, list[int], list[int]]]] = {}
     held: dict[int, int] = {}  # replay copies kept for backward: storage -> node index it dies at
     replay_freed: set[int] = set()  # originals (selective saves) that die inside a replay
+
+    def handed(c: int) -> set[int]:
+        """The inputs region `c` takes from its parent's replay: its positional tensors (a nested
+        checkpoint saves them to its parent). Keyword tensors stay bound in the function its own
+        frame keeps from forward (`ModuleCall.holds`), so its replay reads the originals."""
+        return regs[c].inputs - set(regs[c].holds)
+
+    def keep_for(s: int, c: int) -> int:
+        """How long the copy of storage `s`, an input of region `c` made by its parent's replay,
+        must live: until `c` replays, or until `c`'s own nodes that save it have run backward,
+        or as long as a child of `c` that takes it as input needs it."""
+        r = regs[c]
+        t = r.trigger
+        for i in r.own:
+            if s in g.saves[i] and i in g.bw_end:
+                t = max(t, g.bw_end[i])
+        for d in r.children:
+            if s in handed(d):
+                t = max(t, keep_for(s, d))
+        return t
+
     recompute_ms = 0.0
     for k, r in enumerate(regs):
         replay_at.setdefault(r.trigger, []).append(k)
         # checkpoint's own host cost: per region, and per tensor it packs (ProfileMeta)
-        recompute_ms += g.region_ms + g.saved_tensor_ms * sum(len(g.saves[i]) for i in r.nodes)
+        recompute_ms += g.region_ms + g.saved_tensor_ms * sum(len(g.saves[i]) for i in r.own)
         if r.saved:
             recompute_ms += g.selective_op_ms * len(r.nodes)
-        for i in r.nodes:
-            for s in g.reads[i]:
-                if s not in r.produced and r.bw_end > last.get(s, -1):
+        if r.parent < 0:  # the outermost frame keeps the region's inputs until its backward
+            for s in r.inputs:
+                if r.bw_end > last.get(s, -1):
                     last[s] = r.bw_end
         for s in r.holds:  # reached through the region's arguments, which the frame keeps
             if s not in g.fixed_storages and r.bw_end > last.get(s, -1):
                 last[s] = r.bw_end
-        hold: dict[int, int] = {}  # storages the region's autograd nodes need, until when
-        for i in r.nodes:
+        hold: dict[int, int] = {}  # storages this replay keeps for backward, until when
+        for i in r.own:
             for s in g.saves[i]:
                 if s in r.produced and i in g.bw_end:
                     hold[s] = max(hold.get(s, -1), g.bw_end[i])
+        for c in r.children:  # a child's inputs made here: kept until the child has them
+            for s in handed(c) & r.produced:
+                hold[s] = max(hold.get(s, -1), keep_for(s, c))
         ran = [i for i in r.nodes if i <= r.early_stop]
         read_pos: dict[int, int] = {}
         for pos, i in enumerate(ran):
@@ -243,6 +359,8 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
             if i > r.early_stop:
                 for s in g.new[i]:
                     last[s] = max(last.get(s, -1), hold.get(s, r.bw_end))
+    for at_node in replay_at.values():
+        at_node.sort(key=lambda k: regs[k].depth)  # a parent replays before its children
 
     extra_alloc: dict[int, int] = {}
     extra_free: dict[int, int] = {}
@@ -265,6 +383,9 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     mem = peak = after_forward = 0
     peak_at = ""
     tl: list[tuple[str, int]] = []
+    # With `timeline`, the live storages too (True: a replay's copy), for `peak_live`.
+    live: dict[int, bool] = {}
+    snap: tuple[tuple[tuple[int, bool], ...], int] = ((), 0)
     for i in range(g.n):
         if g.phase[i] in FIXED_PHASES:
             continue
@@ -272,27 +393,43 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
             for j, alloc, fr in replay_ops[k]:
                 for s in alloc:
                     mem += sb[s]
+                    if timeline:
+                        live[s] = True
                 if mem + ws[j] > peak:
                     peak, peak_at = mem + ws[j], f"replay:{names[j]}"
+                    if timeline:
+                        snap = (tuple(live.items()), ws[j])
                 if timeline:
                     tl.append((f"replay:{names[j]}", mem))
                 for s in fr:
                     mem -= sb[s]
+                    if timeline:
+                        live.pop(s, None)
         for s in g.new[i]:
             mem += sb[s]
+            if timeline:
+                live[s] = False
         mem += extra_alloc.get(i, 0)
         if mem + ws[i] > peak:
             peak, peak_at = mem + ws[i], names[i]
+            if timeline:
+                snap = (tuple(live.items()), ws[i])
         if timeline:
             tl.append((names[i], mem))
         for s in free_orig.get(i, ()):
             mem -= sb[s]
+            if timeline and live.get(s) is False:
+                del live[s]
         for s in free_held.get(i, ()):
             mem -= sb[s]
+            if timeline and live.get(s):
+                del live[s]
         mem -= extra_free.get(i, 0)
         for s in g.new[i]:
             if s not in last and s not in replay_freed:  # nobody reads it: freed at once
                 mem -= sb[s]
+                if timeline:
+                    live.pop(s, None)
         if i == g.fwd_end:
             after_forward = mem
     if g.has_optimizer:
@@ -300,6 +437,8 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         opt = mem + g.optimizer_step_bytes
         if opt > peak:
             peak, peak_at = opt, "optimizer.step"
+            if timeline:
+                snap = (tuple(live.items()), g.optimizer_step_bytes)
         if timeline:
             tl.append(("optimizer.step", opt))
     fixed = g.fixed_bytes
@@ -309,4 +448,46 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         peak_at=peak_at,
         timeline=[(label, b + fixed) for label, b in tl],
         after_forward_bytes=after_forward,
+        peak_live=snap[0],
+        peak_workspace_bytes=snap[1],
     )
+
+
+def peak_breakdown(p: Profile, schedule: Schedule | tuple[Region, ...] = (),
+                   depth: int = 3) -> list[tuple[str, int]]:
+    """What the peak of `schedule` is made of, largest first: ``fixed`` (parameters, buffers,
+    inputs, optimizer state), the op's workspace, and live storages grouped by where they come
+    from: ``<module>`` for forward activations kept (module path cut to `depth` components),
+    ``recomputed in <module>`` for a replay's copies, ``loss`` for what the loss function made
+    (the logits' log-softmax), ``parameter gradients``, and ``backward of <module>`` for the
+    gradients and temporaries of that module's backward."""
+    sim = _simulate(p, schedule.regions if isinstance(schedule, Schedule) else tuple(schedule),
+                    timeline=True)
+    g = graph_index(p)
+    maker: dict[int, int] = {}
+    for i in range(g.n):
+        for s in g.new[i]:
+            maker[s] = i
+    grads = set(g.persist)
+
+    def cut(module: str) -> str:
+        return ".".join(module.split(".")[:depth]) or "(top level)"
+
+    parts: dict[str, int] = {"fixed": g.fixed_bytes}
+    if sim.peak_workspace_bytes:
+        parts["workspace of the op at the peak"] = sim.peak_workspace_bytes
+    for s, replayed in sim.peak_live:
+        i = maker.get(s, -1)
+        phase = g.phase[i] if i >= 0 else "backward"
+        if replayed:
+            key = f"recomputed in {cut(p.nodes[i].module)}"
+        elif phase == "forward":
+            key = cut(p.nodes[i].module)
+        elif phase == "backward" and s in grads:
+            key = "parameter gradients"
+        elif phase == "backward" and g.grad_of[i] >= 0:
+            key = f"backward of {cut(p.nodes[g.grad_of[i]].module)}"
+        else:
+            key = phase
+        parts[key] = parts.get(key, 0) + g.sbytes[s]
+    return sorted(parts.items(), key=lambda kv: -kv[1])

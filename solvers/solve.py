@@ -16,6 +16,7 @@ from solvers import baselines
 from solvers.chain import applicable, bind, in_place
 from solvers.dp import dp
 from solvers.errors import SolverUnavailableError
+from solvers.nested import nested
 from solvers.profile import Profile
 from solvers.schedule import Method, Schedule
 from solvers.simulate import simulate
@@ -28,6 +29,8 @@ __all__ = [
     "applicable",
     "available_methods",
     "finish",
+    "lowest",
+    "pareto",
     "smallest_peak",
     "solve",
 ]
@@ -49,6 +52,7 @@ def _ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None)
 METHODS: dict[str, Method] = {
     **baselines.BY_NAME,
     "dp": dp,
+    "nested": nested,
     "ilp": _ilp,
 }
 """Every method `solve` knows, by name, in the order `auto` tries them; `auto` is not one of them
@@ -199,3 +203,40 @@ def smallest_peak(profile: Profile, time_limit_s: float | None = 10.0) -> int:
             continue
         best = min(best, s.predicted_peak_bytes, s.min_peak_bytes or math.inf)
     return int(best)
+
+
+def lowest(profile: Profile, time_limit_s: float | None = 10.0) -> Schedule:
+    """The cheapest schedule that reaches the smallest achievable peak (`smallest_peak`): what
+    `planner.plan(..., budget_gb=None)` applies. On a recorded profile, among schedules that can
+    be applied in place."""
+    least = smallest_peak(profile, time_limit_s)
+    best = solve(profile, least, "auto", time_limit_s)
+    if best.feasible:
+        return best
+    for name in METHODS:  # the method that found the smallest peak, at a budget of 0
+        try:
+            s = solve(profile, 0, name, time_limit_s)
+        except SolverUnavailableError:
+            continue
+        if _usable(profile, s) and s.predicted_peak_bytes <= least:
+            return finish(profile, s, least)
+    return best
+
+
+def pareto(profile: Profile, points: int = 10, time_limit_s: float | None = 10.0
+           ) -> list[Schedule]:
+    """The memory/time front from the smallest achievable peak to no checkpointing: `auto`'s
+    schedule at `points` budgets evenly spaced between the two, dominated ones left out (a
+    schedule another one beats in both peak and time), by increasing peak."""
+    none = solve(profile, 2**62, "none")
+    least = smallest_peak(profile, time_limit_s)
+    front = [lowest(profile, time_limit_s)]
+    for k in range(1, points):
+        budget = least + (none.predicted_peak_bytes - least) * k // max(1, points - 1)
+        front.append(solve(profile, budget, "auto", time_limit_s))
+    front = [s for s in front if s.feasible]
+    kept: list[Schedule] = []
+    for s in sorted(front, key=lambda s: (s.predicted_peak_bytes, s.predicted_recompute_ms)):
+        if not kept or s.predicted_recompute_ms < kept[-1].predicted_recompute_ms:
+            kept.append(s)
+    return kept

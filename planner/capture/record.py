@@ -533,11 +533,16 @@ class _Recorder(TorchDispatchMode):
 
     # -- modules ------------------------------------------------------------------------------
     def _argument_refs(self, args: Any) -> tuple[list[int], list[weakref.ref]]:
-        """A call's arguments: the storages of its tensors, and weak references to the other
-        objects it was given (a cache object), whose tensors are looked up when forward ends."""
+        """What a checkpoint of this call keeps besides its inputs: the storages of its keyword
+        tensors (`planner.inplace` binds keyword arguments into the function the frame keeps;
+        positional tensors are the checkpoint's inputs, which a nested checkpoint hands to its
+        parent), and weak references to the other objects it was given (a cache object), whose
+        tensors are looked up when forward ends."""
+        positional, keywords = args
         sids: list[int] = []
         objs: list[weakref.ref] = []
-        for leaf in pytree.tree_leaves(args):
+        leaves = [x for x in pytree.tree_leaves(positional) if not isinstance(x, torch.Tensor)]
+        for leaf in leaves + pytree.tree_leaves(keywords):
             if isinstance(leaf, torch.Tensor):
                 sids.append(self.sid(leaf))
             elif not isinstance(leaf, int | float | bool | str | bytes | type(None)

@@ -1,0 +1,167 @@
+"""`nested`: regions inside regions, where one level of regions cannot reach the budget.
+
+With one level, the floor of a plan is the regions' inputs (kept through backward) plus the
+largest region's replay. Recomputing a recomputation goes lower (Chen et al. 2016, section 4;
+the rotor/revolve line of Beaumont et al., the basis of Rockmate): inside a checkpointed block,
+its attention and MLP are checkpointed too, so the block's replay keeps only their inputs, and
+each of them replays in turn. non-reentrant `torch.utils.checkpoint` nests this way at run time
+(`solvers.simulate` follows it), and `planner.apply` wraps the inner modules as well.
+
+The method starts from `dp`'s schedule (its cheapest plan at the budget, or the plan with the
+lowest peak when none fits) and, while the simulated peak is above the budget, adds the module
+call that lowers it most: nested in a region, wrapping regions, or beside them; the same call of
+every repeated block at once (``model.layers.*.self_attn``) or one call, nearest the peak first.
+Every step is judged by `simulate`; it stops when the budget is met or nothing lowers the peak,
+and then drops the regions the budget does not need, largest first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from solvers.chain import CallSpan, candidate_calls, region, useful_calls
+from solvers.dp import dp
+from solvers.graph import graph_index
+from solvers.profile import Profile
+from solvers.schedule import Region, Schedule
+from solvers.simulate import simulate
+
+__all__ = ["nested"]
+
+MAX_STEPS = 256
+"""Nesting steps at most (each adds one call, or one child in every repeated region)."""
+
+
+def _key(span: CallSpan) -> tuple[str, tuple[int, int] | None]:
+    return span.call.module, span.segment
+
+
+def _relative(child: CallSpan, parent: CallSpan) -> tuple[str, tuple[int, int] | None] | None:
+    """The child's module path relative to the parent's (``self_attn``), None if not below it."""
+    pm, cm = parent.call.module, child.call.module
+    if parent.segment is not None or cm == pm:
+        return None
+    if pm and not cm.startswith(pm + "."):
+        return None
+    return (cm[len(pm) + 1:] if pm else cm), child.segment
+
+
+def nested(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
+    """dp's schedule, with module calls nested inside its regions while that lowers the simulated
+    peak towards `budget_bytes` (see the module docstring)."""
+    t0 = time.perf_counter()
+    base = dp(profile, budget_bytes, time_limit_s)
+    start = simulate(profile, base.regions)
+    if start.peak_bytes <= budget_bytes:
+        return Schedule(regions=base.regions, method="nested", status=base.status,
+                        min_peak_bytes=base.min_peak_bytes, stats={"source": "dp"})
+    spans = {(s.a, s.b): s for s in candidate_calls(profile)}
+    useful = [s for s in useful_calls(profile) if s.call.module or s.segment is not None]
+    chosen: list[CallSpan] = []
+    for r in base.regions:
+        span = spans.get(_span_of(profile, r))
+        if span is None:  # dp's regions are module calls on a recorded profile
+            return Schedule(regions=base.regions, method="nested", status="infeasible",
+                            min_peak_bytes=start.peak_bytes, stats={"source": "dp"})
+        chosen.append(span)
+    peak, ms = start.peak_bytes, start.recompute_ms
+    at = start.peak_at
+    steps = 0
+    deadline = None if time_limit_s is None else t0 + time_limit_s
+    g = graph_index(profile)
+    while peak > budget_bytes and steps < MAX_STEPS:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        best = None
+        for move in _moves(chosen, useful, _near(g, profile, at)):
+            sim = simulate(profile, _regions(profile, chosen + move))
+            score = (sim.peak_bytes, sim.recompute_ms)
+            if sim.peak_bytes < peak and (best is None or score < best[0]):
+                best = (score, move)
+        if best is None:
+            break
+        (peak, ms), move = best
+        chosen += move
+        at = simulate(profile, _regions(profile, chosen)).peak_at
+        steps += 1
+    # Drop regions the budget does not need (largest first: they cost the most to replay).
+    if peak <= budget_bytes:
+        for span in sorted(chosen, key=lambda s: -(s.b - s.a)):
+            trial = [c for c in chosen if c is not span]
+            sim = simulate(profile, _regions(profile, trial))
+            if sim.peak_bytes <= budget_bytes and sim.recompute_ms <= ms:
+                chosen, peak, ms = trial, sim.peak_bytes, sim.recompute_ms
+    regions = _regions(profile, chosen)
+    status = "feasible" if peak <= budget_bytes else "infeasible"
+    return Schedule(regions=regions, method="nested", status=status,
+                    min_peak_bytes=int(min(peak, start.peak_bytes)),
+                    stats={"nesting_steps": steps, "nested": len(chosen) - len(base.regions)})
+
+
+def _near(g, profile: Profile, peak_at: str) -> int:
+    """The forward position the peak is about: the replayed node, or the forward node whose
+    backward holds the peak (the first forward node for anything else)."""
+    name = peak_at.removeprefix("replay:")
+    i = g.name_to_i.get(name, -1)
+    if i < 0:
+        return 0
+    if g.phase[i] == "forward":
+        return g.fwd_pos[i]
+    f = g.grad_of[i]
+    return g.fwd_pos.get(f, 0) if f >= 0 else 0
+
+
+def _span_of(profile: Profile, r: Region) -> tuple[int, int]:
+    g = graph_index(profile)
+    return g.fwd_pos[g.name_to_i[r.start]], g.fwd_pos[g.name_to_i[r.end]]
+
+
+def _fits(span: CallSpan, chosen: list[CallSpan]) -> bool:
+    """`span` can join `chosen`: nested in, containing, or disjoint from every region, never
+    the same nodes as one, and not a module another region already wraps."""
+    modules = {c.call.module for c in chosen}
+    if span.call.module in modules:
+        return False
+    for c in chosen:
+        if (c.a, c.b) == (span.a, span.b):
+            return False
+        disjoint = span.b < c.a or span.a > c.b
+        nests = (c.a <= span.a and span.b <= c.b) or (span.a <= c.a and c.b <= span.b)
+        if not (disjoint or nests):
+            return False
+    return True
+
+
+def _pattern(span: CallSpan) -> tuple[str, tuple[int, int] | None]:
+    """The module path with integer components starred (``model.layers.*.mlp``): the same call
+    in every repeated block."""
+    parts = ["*" if x.isdigit() else x for x in span.call.module.split(".")]
+    return ".".join(parts), span.segment
+
+
+MAX_SINGLES = 96
+"""Single-call moves tried per step at most (the calls nearest the peak's region first)."""
+
+
+def _moves(chosen: list[CallSpan], useful: list[CallSpan], near: int) -> list[list[CallSpan]]:
+    """Candidate steps: every call of a starred path that fits (the same child of every
+    repeated block at once), then single calls, those whose span is nearest forward position
+    `near` (where the peak's region is) first."""
+    groups: dict[tuple, list[CallSpan]] = defaultdict(list)
+    singles = []
+    for s in useful:
+        if _fits(s, chosen):
+            groups[_pattern(s)].append(s)
+            singles.append(s)
+    moves = [g for g in groups.values() if len(g) > 1 and _compatible(g)]
+    singles.sort(key=lambda s: 0 if s.a <= near <= s.b else min(abs(s.a - near), abs(s.b - near)))
+    return moves + [[s] for s in singles[:MAX_SINGLES]]
+
+
+def _compatible(group: list[CallSpan]) -> bool:
+    return all(_fits(s, [t for t in group if t is not s]) for s in group)
+
+
+def _regions(profile: Profile, chosen: list[CallSpan]) -> tuple[Region, ...]:
+    return tuple(region(profile, s.a, s.b) for s in sorted(chosen, key=lambda s: (s.a, -s.b)))
