@@ -59,7 +59,7 @@ class _Zoo:
         e = self.get(name)
         planner.remove(e["model"])
         p = plan_from_profile(e["model"], e["prof"], budget_bytes=self.budget(name, f),
-                              method="dp")
+                              method="auto")
         p.example_inputs = e["x"]
         return p
 
@@ -343,7 +343,7 @@ def test_sequential_segments_are_applied(zoo):
 def test_budget_at_the_smallest_peak_is_planned(zoo):
     e = zoo.get("gpt_eager")
     planner.remove(e["model"])
-    p = plan_from_profile(e["model"], e["prof"], budget_bytes=e["smallest"], method="dp")
+    p = plan_from_profile(e["model"], e["prof"], budget_bytes=e["smallest"], method="auto")
     p.example_inputs = e["x"]
     assert p.predicted_peak_bytes <= e["smallest"]
     v = p.verify(repeats=1)
@@ -355,9 +355,9 @@ def test_infeasible_budget_names_smallest_peak(zoo):
     planner.remove(e["model"])
     too_small = e["least"] // 2
     with pytest.raises(planner.InfeasibleBudgetError) as ei:
-        plan_from_profile(e["model"], e["prof"], budget_bytes=too_small, method="dp")
+        plan_from_profile(e["model"], e["prof"], budget_bytes=too_small)
     msg = str(ei.value)
-    assert "raise the budget" in msg
+    assert "Raise the budget" in msg
     assert re.search(r"smallest achievable peak .*\(\d+\.\d+ (MiB|GiB)", msg), msg
     assert format_bytes(e["smallest"]) in msg, msg
     assert applied(e["model"]) is None
