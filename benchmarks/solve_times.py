@@ -1,43 +1,72 @@
-"""Solve times of every method on the committed profiles at 30%, 50% and 70% of the unchecked peak.
+"""How long planning takes: `solve(method="auto")` on a freshly profiled 2-layer HF Llama (the
+test zoo's `hf_llama`) and on the committed 7B profile at 27 GiB, each on a freshly loaded
+profile (no cached chain model or plans), and `plan()`'s own breakdown of where its time went.
 
-    python benchmarks/solve_times.py [PROFILE ...]
+    HF_HUB_OFFLINE=1 python benchmarks/solve_times.py [--all]
 
-Uses profiles/*.json.gz, or the given files. Prints method, budget, status, predicted peak,
-recompute time and wall-clock solve seconds (the first `dp` call on a profile includes building
-its chain model and plan pool; later budgets reuse them).
+`--all` also prints every method on every committed profile at 30%, 50% and 70% of the peak
+without checkpointing.
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from solvers import Profile, available_methods, simulate, solve  # noqa: E402
-from solvers.dp import chain_model, solve_chain  # noqa: E402
 
 GIB = 2**30
 
 
-def main(paths: list[str]) -> None:
-    paths = paths or sorted(glob.glob("profiles/*.json.gz"))
+def _cold(path: Path, budget: int, method: str = "auto") -> tuple[float, object]:
+    p = Profile.load(path)  # a fresh object: nothing cached from earlier solves
+    t0 = time.perf_counter()
+    s = solve(p, budget, method)
+    return time.perf_counter() - t0, s
+
+
+def llama_2_layers() -> None:
+    import planner
+    from tests.models import hf_llama
+
+    model, x = hf_llama()
+    prof = planner.profile(model, x, repeats=3)
+    none, fixed = simulate(prof).peak_bytes, prof.fixed_bytes
+    print(f"2-layer hf_llama: {len(prof.nodes)} profiled ops, eager step "
+          f"{prof.meta.step_ms_measured:.1f} ms")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = prof.save(Path(tmp) / "llama.json.gz")
+        for f in (0.75, 0.5, 0.3):
+            secs, s = _cold(path, int(fixed + f * (none - fixed)))
+            print(f"  auto at {f:g}x of activations: {s.status} ({s.method}), solve {secs:.3f} s")
+    budget = int(fixed + 0.5 * (none - fixed))
+    t0 = time.perf_counter()
+    p = planner.plan(model, budget_bytes=budget, example_inputs=x, repeats=3)
+    total = time.perf_counter() - t0
+    print(f"  plan() at 0.5x: {total:.2f} s in all; "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in p.seconds.items()))
+
+
+def llama_7b() -> None:
+    path = ROOT / "profiles" / "llama7b_h100.json.gz"
+    secs, s = _cold(path, 27 * GIB)
+    print(f"llama7b_h100 at 27 GiB: {s.status} ({s.method}), predicted peak "
+          f"{s.predicted_peak_bytes / GIB:.2f} GiB, solve {secs:.2f} s (cold)")
+
+
+def every_method(paths: list[str]) -> None:
     methods = [m for m in available_methods() if m != "auto"]
     for path in paths:
         p = Profile.load(path)
         none = simulate(p).peak_bytes
-        t0 = time.perf_counter()
-        m = chain_model(p)
-        t_model = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        solve_chain(m, 0.5 * none)
-        t_dp = time.perf_counter() - t0
-        n_fwd = sum(nd.phase == "forward" for nd in p.nodes)
-        print(f"\n{path}: {len(p.nodes)} nodes ({n_fwd} forward), {len(m.cuts) - 2} candidate "
-              f"cuts, none peak {none / GIB:.3f} GiB; chain model {t_model:.3f} s, "
-              f"one DP solve {t_dp:.3f} s")
+        print(f"\n{path}: {len(p.nodes)} nodes, none peak {none / GIB:.3f} GiB")
         print(f"{'method':<17} {'budget':>7} {'status':<11} {'peak GiB':>9} {'recompute ms':>13} "
               f"{'solve s':>8}")
         for frac in (0.3, 0.5, 0.7):
@@ -51,5 +80,15 @@ def main(paths: list[str]) -> None:
                       f"{dt:>8.3f}")
 
 
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--all", action="store_true", help="every method on every committed profile")
+    a = ap.parse_args(argv)
+    llama_2_layers()
+    llama_7b()
+    if a.all:
+        every_method(sorted(glob.glob(str(ROOT / "profiles" / "*.json.gz"))))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -11,7 +11,9 @@ import sys
 import time
 
 from solvers import Profile, ProfileError, Schedule, available_methods, simulate, solve
-from solvers.solve import BASELINES, smallest_peak
+from solvers.simulate import peak_breakdown
+from solvers.solve import BASELINES, lowest, pareto, smallest_peak
+from solvers.units import BudgetError, format_bytes, parse_budget
 
 __all__ = ["add_arguments", "run"]
 
@@ -21,8 +23,15 @@ SWEEP_POINTS = 10
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("profile", metavar="PROFILE", help="profile file (.json or .json.gz)")
-    parser.add_argument("--budget-gb", type=float, help="peak memory budget in GiB (2**30 bytes)")
-    parser.add_argument("--budget-bytes", type=int, help="peak memory budget in bytes")
+    parser.add_argument(
+        "--budget-gb", metavar="BUDGET",
+        help="peak memory budget: GiB (2**30 bytes) as a number, or with a unit: 24GiB, 500MiB, "
+             "16GB (10**9 bytes)")
+    parser.add_argument("--budget-bytes", help="peak memory budget in bytes (or with a unit)")
+    parser.add_argument(
+        "--min", action="store_true",
+        help="the smallest achievable peak, the cheapest schedule that reaches it, and the "
+             "memory/time front from there to no checkpointing")
     parser.add_argument("--method", default="auto", help="solver method (default: auto)")
     parser.add_argument("--time-limit", type=float, default=None, help="seconds per solve")
     parser.add_argument("-o", "--output", help="write the chosen schedule as JSON")
@@ -98,6 +107,32 @@ def _sweep(p: Profile, args: argparse.Namespace) -> int:
     return 0
 
 
+def _minimum(p: Profile, args: argparse.Namespace) -> int:
+    """The smallest achievable peak, the schedule that reaches it, and the front above it."""
+    limit = args.time_limit if args.time_limit is not None else 10.0
+    t0 = time.perf_counter()
+    front = pareto(p, points=SWEEP_POINTS, time_limit_s=limit)
+    secs = time.perf_counter() - t0
+    best = front[0]
+    none = simulate(p).peak_bytes
+    act = none - p.fixed_bytes
+    print(f"profile {args.profile}: smallest achievable peak {format_bytes(best.predicted_peak_bytes)}"
+          f" ({100 * (best.predicted_peak_bytes - p.fixed_bytes) / max(act, 1):.0f}% of the "
+          f"activation memory; no checkpointing {format_bytes(none)}), extra "
+          f"{best.predicted_recompute_ms:.2f} ms ({100 * best.predicted_recompute_ms / max(p.step_ms, 1e-9):.1f}%)"
+          f" with {best.method}; solved in {secs:.2f} s")
+    print("at that peak: " + "; ".join(f"{k} {format_bytes(v)}"
+                                       for k, v in peak_breakdown(p, best)[:5]))
+    rows = [[format_bytes(s.predicted_peak_bytes), f"{s.predicted_recompute_ms:.2f}",
+             f"{100 * s.predicted_recompute_ms / max(p.step_ms, 1e-9):.1f}", s.method,
+             str(len(s.regions))] for s in front]
+    print(_table(["peak", "extra ms", "extra %", "method", "regions"], rows))
+    if args.output:
+        best.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         p = Profile.load(args.profile)
@@ -110,13 +145,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.sweep:
         return _sweep(p, args)
-    if args.budget_bytes is not None:
-        budget = args.budget_bytes
-    elif args.budget_gb is not None:
-        budget = int(args.budget_gb * _GIB)
-    else:
-        print("ckpt-planner plan: give a budget with --budget-gb G or --budget-bytes B "
-              "(or use --sweep)", file=sys.stderr)
+    if args.min:
+        return _minimum(p, args)
+    try:
+        if args.budget_gb is not None and args.budget_bytes is not None:
+            raise BudgetError("give one of --budget-gb and --budget-bytes, not both")
+        if args.budget_bytes is not None:
+            budget = parse_budget(args.budget_bytes, name="--budget-bytes", unit=1)
+        elif args.budget_gb is not None:
+            budget = parse_budget(args.budget_gb, name="--budget-gb")
+        else:
+            raise BudgetError("give a budget with --budget-gb (e.g. 24, 24GiB, 16GB) or "
+                              "--budget-bytes, or use --min or --sweep")
+    except BudgetError as e:
+        print(f"ckpt-planner plan: {e}", file=sys.stderr)
         return 2
     chosen, secs = _timed(p, budget, args.method, args.time_limit)
     label = f"{args.method} ({chosen.method})" if args.method == "auto" else chosen.method
@@ -130,10 +172,12 @@ def run(args: argparse.Namespace) -> int:
     print(_table(["method", "status", "peak GiB", "extra ms", "extra %", "regions", "solve s"],
                  rows))
     if not chosen.feasible:
-        low = min(chosen.min_peak_bytes or chosen.predicted_peak_bytes, smallest_peak(p))
-        print(f"ckpt-planner plan: budget {budget / _GIB:.4f} GiB is below the smallest "
-              f"achievable peak for this profile ({low / _GIB:.4f} GiB); raise the budget or "
-              "lower the batch size.", file=sys.stderr)
+        best = lowest(p, args.time_limit if args.time_limit is not None else 10.0)
+        parts = "; ".join(f"{k} {format_bytes(v)}" for k, v in peak_breakdown(p, best)[:4])
+        print(f"ckpt-planner plan: budget {format_bytes(budget)} is below the smallest "
+              f"achievable peak for this profile ({format_bytes(best.predicted_peak_bytes)}, "
+              f"with nested regions; at that peak: {parts}). Raise the budget (see "
+              "`ckpt-planner plan PROFILE --min`) or lower the batch size.", file=sys.stderr)
         return 1
     if args.output:
         chosen.save(args.output)

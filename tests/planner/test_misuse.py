@@ -254,3 +254,56 @@ def test_budget_strings_with_units_are_accepted():
     assert p.budget_bytes == 500 * 2**20
     q = planner.plan(model, budget_gb="2GB", example_inputs=x, repeats=1)
     assert q.budget_bytes == 2 * 10**9
+
+
+# -- the same misuses through the command line -------------------------------------------------------
+@dataclass(frozen=True)
+class CliRow:
+    name: str
+    argv: list[str]
+    code: int
+    says: str
+
+
+def _profile_file(tmp_path_factory) -> str:
+    from tests.solver_cases import chain4
+
+    path = tmp_path_factory.mktemp("cli") / "p.json"
+    chain4().save(path)
+    return str(path)
+
+
+CLI_ROWS = [
+    CliRow("budget NaN", ["plan", "{p}", "--budget-gb", "nan"], 2, r"not an amount of memory"),
+    CliRow("budget with a typo", ["plan", "{p}", "--budget-gb", "8 gigs"], 2,
+           r"give a number of GiB .*'8GiB'"),
+    CliRow("budget negative", ["plan", "{p}", "--budget-gb", "-3"], 2, r"not an amount of memory"),
+    CliRow("budget zero", ["plan", "{p}", "--budget-gb", "0"], 2, r"not a positive amount"),
+    CliRow("two budgets", ["plan", "{p}", "--budget-gb", "1", "--budget-bytes", "5"], 2,
+           r"one of --budget-gb and --budget-bytes"),
+    CliRow("no budget", ["plan", "{p}"], 2, r"give a budget with --budget-gb .* or use --min"),
+    CliRow("budget too small", ["plan", "{p}", "--budget-bytes", "1KiB"], 1,
+           r"below the smallest achievable peak.*Raise the budget"),
+    CliRow("unknown method", ["plan", "{p}", "--budget-gb", "1", "--method", "magic"], 2,
+           r"unknown method 'magic'; expected one of auto"),
+    CliRow("missing profile", ["plan", "/nowhere/p.json", "--budget-gb", "1"], 2,
+           r"no such profile file"),
+    CliRow("profile spec without a colon", ["profile", "tests.models", "-o", "/tmp/x.json"], 2,
+           r"no 'module:function' form"),
+    CliRow("profile spec of a missing function", ["profile", "tests.models:gpt2_tiny", "-o",
+                                                  "/tmp/x.json"], 2,
+           r"has no function 'gpt2_tiny'.*e.g. tests.models:hf_gpt2"),
+    CliRow("show a missing file", ["show", "/nowhere/p.json"], 2, r"no such profile file"),
+]
+
+
+@pytest.mark.parametrize("row", CLI_ROWS, ids=[r.name for r in CLI_ROWS])
+def test_cli_misuse_is_refused_with_a_fix(row: CliRow, tmp_path_factory, capsys):
+    import re
+
+    from planner.cli import main
+
+    argv = [a.replace("{p}", _profile_file(tmp_path_factory)) for a in row.argv]
+    assert main(argv) == row.code
+    err = capsys.readouterr().err
+    assert re.search(row.says, err), err
