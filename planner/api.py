@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable
@@ -31,6 +32,7 @@ import torch
 
 from planner import inplace
 from planner.capture.record import default_loss, split_inputs
+from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
 from planner.profiling import profile
@@ -422,6 +424,7 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
     t0 = time.perf_counter()
     if budget_bytes is None:
         schedule = lowest(profile, time_limit_s if time_limit_s is not None else 10.0)
+        schedule = dataclasses.replace(schedule, made_for=made_for(model, profile))
         apply_schedule(model, schedule)
         t1 = time.perf_counter()
         amp = getattr(torch, profile.meta.autocast) if profile.meta.autocast else None
@@ -439,6 +442,7 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
     t1 = time.perf_counter()
     if not schedule.feasible:
         raise _infeasible(profile, budget_bytes, schedule)
+    schedule = dataclasses.replace(schedule, made_for=made_for(model, profile))
     apply_schedule(model, schedule)
     amp = getattr(torch, profile.meta.autocast) if profile.meta.autocast else None
     return Plan(module=model, schedule=schedule, profile=profile, budget_bytes=budget_bytes,
@@ -464,6 +468,17 @@ def apply(model: torch.nn.Module, schedule: Schedule | str | Path) -> torch.nn.M
                             "budget; re-plan with a larger budget")
     inner = unwrap(model)
     _check_plannable(inner)
+    diffs = differences(schedule.made_for, inner)
+    torch_only = [d for d in diffs if d.startswith("the plan was made with torch")]
+    if len(diffs) > len(torch_only):
+        raise ScheduleError(
+            "the schedule was made for another model: "
+            + "; ".join(d for d in diffs if d not in torch_only)
+            + "; re-plan for this model (planner.plan)"
+        )
+    for d in torch_only:
+        warnings.warn(f"{d}: the plan may not hold; re-plan if the step's memory differs",
+                      stacklevel=2)
     if applied(inner) is not None:
         remove(inner)
     apply_schedule(inner, schedule)

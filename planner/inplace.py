@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -340,7 +341,7 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
         module.__dict__["forward"] = wrapper
         wrapped[path] = wrapper
     plan = AppliedPlan(schedule=schedule, wrapped=wrapped)
-    plan.hook = model.register_forward_pre_hook(_warn_if_changed)
+    plan.hook = model.register_forward_pre_hook(_warn_if_changed, with_kwargs=True)
     model.__dict__[_ATTR] = plan
     _watch(model, plan)
     return model
@@ -395,14 +396,32 @@ def _on_tensor(module: torch.nn.Module, name: str, value: Any) -> None:
         _changed(module, name, "tensor")
 
 
-def _warn_if_changed(model: torch.nn.Module, args: Any) -> None:
+def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    """At each training step: warn once if the model changed since planning, or if the batch is
+    larger in some dimension than the example the plan was made for."""
     plan = applied(model)
-    if plan is not None and plan.changed and not plan.warned and torch.is_grad_enabled():
+    if plan is None or plan.warned or not torch.is_grad_enabled():
+        return
+    if plan.changed:
         plan.warned = True
         warnings.warn(PlanOutdatedWarning(
             f"the model changed after planning ({plan.changed} was replaced or added): it "
             "trains correctly, but the plan's peak memory prediction no longer holds; re-plan "
             "(planner.plan(model, ...)) for the model as it is now"), stacklevel=2)
+        return
+    if plan.schedule.made_for.get("input_shapes"):
+        from planner.identity import larger_inputs
+
+        shapes = {pytree.keystr(path): list(leaf.shape)
+                  for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
+                  if isinstance(leaf, torch.Tensor)}
+        larger = larger_inputs(plan.schedule.made_for, shapes)
+        if larger:
+            plan.warned = True
+            warnings.warn(PlanOutdatedWarning(
+                f"this batch is larger than the one the plan was made for: {', '.join(larger)}; "
+                "the budget holds for batches no larger than the example: re-plan with the "
+                "largest batch you train with"), stacklevel=2)
 
 
 @contextlib.contextmanager

@@ -69,6 +69,10 @@ class Schedule:
     """Smallest peak the method could reach (set when the status is infeasible)."""
     stats: dict[str, Any] = field(default_factory=dict)
     """Solver statistics: solve_time_s, gap, nodes, candidates, ..."""
+    made_for: dict[str, Any] = field(default_factory=dict)
+    """What the plan was made for, set by `planner.plan`: the model's class, module paths and
+    parameters (``name shape dtype``), the example inputs' shapes, dtype, autocast and torch
+    version. `planner.apply` refuses a model that differs, saying how."""
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -81,6 +85,8 @@ class Schedule:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["regions"] = [_region_dict(r) for r in self.regions]
+        if not d["made_for"]:
+            del d["made_for"]
         return {"schema": SCHEDULE_SCHEMA, "schema_version": SCHEDULE_VERSION, **d}
 
     @classmethod

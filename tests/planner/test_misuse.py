@@ -79,11 +79,20 @@ def _checkpoint_wrapper():
 
 
 def _schedule_for_another_model():
+    """A schedule made for a 2-layer model, applied to a 3-layer one."""
     m, x = _gpt()
     p = planner.plan(m, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
     torch.manual_seed(0)
-    other, _ = gpt_eager(batch=2, seq=16, dim=32, heads=2, layers=1, vocab=64)
+    other, _ = gpt_eager(batch=2, seq=16, dim=32, heads=2, layers=3, vocab=64)
     return planner.apply(other, p.schedule)
+
+
+def _schedule_for_other_widths(tmp_path_factory=None):
+    m, x = _gpt()
+    p = planner.plan(m, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    torch.manual_seed(0)
+    wider, _ = gpt_eager(batch=2, seq=16, dim=64, heads=2, layers=2, vocab=64)
+    return planner.apply(wider, p.schedule)
 
 
 def _node_range_schedule():
@@ -194,8 +203,12 @@ ROWS = [
         r"gradient_checkpointing_disable\(\)"),
     Row("checkpoint_wrapper inside", _checkpoint_wrapper, CkptPlannerError,
         r"already wrapped for checkpointing.*remove checkpoint_wrapper"),
-    Row("schedule for another model", _schedule_for_another_model, ScheduleError,
-        r"this model does not have: the schedule was made for another model; re-plan"),
+    Row("schedule for a 2-layer model on a 3-layer one", _schedule_for_another_model,
+        ScheduleError, r"made for another model: this model has modules the plan does not "
+        r"know: blocks.2.*re-plan for this model"),
+    Row("schedule for other widths", _schedule_for_other_widths, ScheduleError,
+        r"parameters differ: wte.weight \(\[64, 32\] float32 in the plan, \[64, 64\] "
+        r"float32 here\)"),
     Row("node-range schedule applied in place", _node_range_schedule, ScheduleError,
         r"not a module call.*plan from a profile recorded by planner.profile"),
     Row("infeasible schedule applied", _infeasible_schedule, ScheduleError,
@@ -246,6 +259,30 @@ def test_a_reloaded_weight_of_the_same_shape_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanOutdatedWarning)
         model(x).sum().backward()
+
+
+def test_a_larger_batch_than_planned_warns_once():
+    model, x = _gpt()
+    planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    same = torch.zeros(2, 16, dtype=torch.long)
+    bigger = torch.cat([x, x])  # batch 4 instead of 2
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(same).sum().backward()  # same size: no warning
+        model(bigger).sum().backward()
+        model(bigger).sum().backward()
+    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    assert len(msgs) == 1 and "larger than the one the plan was made for" in msgs[0]
+    assert "[4, 16] (planned for [2, 16])" in msgs[0]
+
+
+def test_a_saved_schedule_applies_to_the_same_model_built_again(tmp_path):
+    model, x = _gpt()
+    p = planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    path = p.save(tmp_path / "s.json")
+    fresh, _ = _gpt()
+    assert planner.apply(fresh, path) is fresh
+    assert Schedule.load(path).made_for["modules"] == [n for n, _ in fresh.named_modules()]
 
 
 def test_budget_strings_with_units_are_accepted():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from planner.cli import main
+from solvers.units import format_bytes
 from tests.solver_cases import MIB
 
 GIB = 2**30
@@ -38,8 +39,8 @@ def test_plan_infeasible(solver_cases, tmp_path, capsys):
     rc = main(["plan", str(path), "--budget-gb", "0.001"])
     err = capsys.readouterr().err
     assert rc == 1
-    smallest = (12 * MIB + FIXED + 8) / GIB
-    assert "below the smallest achievable peak" in err and f"{smallest:.4f} GiB" in err
+    smallest = format_bytes(12 * MIB + FIXED + 8)
+    assert "below the smallest achievable peak" in err and f"({smallest}," in err
 
 
 def test_plan_sweep_and_plot(solver_cases, tmp_path, capsys):
