@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,9 @@ class Plan:
     """The dtype forward and loss run in under `torch.autocast` (as profiled), or None."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where `plan` spent its time: ``profile``, ``solve``, ``apply``."""
+    margin_bytes: int = 0
+    """Left unused below the budget for memory that changes from batch to batch (value-dependent
+    shapes, MoE routing): the spread of the unplanned step's measured peak over other batches."""
     _baselines: dict[str, Schedule] = field(default_factory=dict, repr=False)
 
     @property
@@ -158,6 +161,11 @@ class Plan:
             shown = "; ".join(f"{c.module or '(root)'}: {c.blocker}" for c in blocked[:5])
             more = f" (and {len(blocked) - 5} more)" if len(blocked) > 5 else ""
             lines.append(f"modules that cannot be regions: {shown}{more}")
+        if p.meta.data_dependent_ops:
+            lines.append(f"value-dependent shapes ({p.meta.data_dependent_ops} ops, e.g. MoE "
+                         f"routing): planned {format_bytes(self.margin_bytes)} below the budget, "
+                         "the spread of the peak measured over other batches; replays re-route "
+                         "the same tokens (torch checks the recomputed shapes)")
         if self.seconds:
             lines.append("planned in " + ", ".join(f"{k} {v:.2f} s"
                                                    for k, v in self.seconds.items()))
@@ -288,6 +296,26 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if type(model).__name__ in _DATA_PARALLEL else model
 
 
+SPREAD_DRAWS = 4
+"""Other random draws (dropout masks, noisy routing) of the example batch measured for the margin
+when no other batches are given."""
+MARGIN_ROUNDS = 3
+"""Re-plans at most, each with the margin the measured peaks asked for."""
+
+
+def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_fn,
+           autocast: torch.dtype | None) -> list[int]:
+    """The planned step's measured peak on the example and each other batch, or on other random
+    draws of the example: how much a value-dependent model's memory moves from batch to batch."""
+    peaks = []
+    batches = [example_inputs, *extra]
+    for k, batch in enumerate(batches if extra else [example_inputs] * SPREAD_DRAWS):
+        with torch.random.fork_rng():
+            torch.manual_seed(1000 + k)
+            peaks.append(measure(model, batch, loss_fn, repeats=1, autocast=autocast).peak_bytes)
+    return peaks
+
+
 def _check_plannable(model: torch.nn.Module) -> None:
     """Refuse models whose wrapper or existing checkpointing a plan would silently change."""
     if not isinstance(model, torch.nn.Module):
@@ -366,6 +394,7 @@ def plan(
     time_limit_s: float | None = None,
     repeats: int = 3,
     autocast: torch.dtype | None = None,
+    extra_inputs: Sequence[Any] = (),
     progress: bool = False,
 ) -> Plan:
     """Plan activation checkpointing for `model` so that a training step fits the budget, and
@@ -385,6 +414,10 @@ def plan(
         method: a name from `solvers.available_methods()`; ``auto`` takes the best.
         autocast: the dtype you train forward and loss in under ``torch.autocast`` (bf16 or fp16
             mixed precision), backward outside it; plan outside your autocast block.
+        extra_inputs: other batches, of the same structure and no larger, that the budget must
+            hold for. Where the model's shapes depend on values (MoE routing, boolean masks),
+            memory changes from batch to batch: the plan keeps a margin, the spread of the
+            measured peak over these batches (or, without them, over other random draws).
 
     Raises:
         InfeasibleBudgetError: naming the smallest achievable peak and the largest activations.
@@ -409,6 +442,19 @@ def plan(
                    autocast=autocast, progress=progress)
     p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
                           time_limit_s=time_limit_s)  # budget None: the smallest peak
+    if budget is not None and (prof.meta.data_dependent_ops or extra_inputs):
+        # Memory moves from batch to batch: measure the planned step on other batches (or other
+        # random draws) and keep the overshoot plus the spread below the budget.
+        margin = 0
+        for _ in range(MARGIN_ROUNDS):
+            peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast)
+            need = max(peaks) + (max(peaks) - min(peaks)) - (budget - SLACK_BYTES)
+            if need <= 0:
+                break
+            margin += need
+            remove(model)
+            p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
+                                  time_limit_s=time_limit_s, margin_bytes=margin)
     p.module, p.loss_fn, p.example_inputs, p.optimizer = given, loss_fn, example_inputs, optimizer
     p.autocast = autocast
     p.seconds = {"profile": time.perf_counter() - t0, **p.seconds}
@@ -416,10 +462,11 @@ def plan(
 
 
 def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes: int | None,
-                      method: str = "auto", time_limit_s: float | None = None) -> Plan:
+                      method: str = "auto", time_limit_s: float | None = None,
+                      margin_bytes: int = 0) -> Plan:
     """Solve `profile` (recorded from `model`) for `budget_bytes` and apply the schedule to
-    `model` in place. Leaves `SLACK_BYTES` of the budget unused where a plan can. With
-    `budget_bytes` None, the cheapest schedule at the smallest achievable peak
+    `model` in place. Leaves `SLACK_BYTES` (and `margin_bytes`) of the budget unused where a plan
+    can. With `budget_bytes` None, the cheapest schedule at the smallest achievable peak
     (`solvers.solve.lowest`), its budget that peak."""
     t0 = time.perf_counter()
     if budget_bytes is None:
@@ -431,8 +478,13 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
         return Plan(module=model, schedule=schedule, profile=profile,
                     budget_bytes=schedule.predicted_peak_bytes, autocast=amp,
                     seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
-    schedule = solve(profile, budget_bytes - SLACK_BYTES, method=method,
+    schedule = solve(profile, budget_bytes - SLACK_BYTES - margin_bytes, method=method,
                      time_limit_s=time_limit_s)
+    if not schedule.feasible and margin_bytes:
+        err = _infeasible(profile, budget_bytes - margin_bytes, schedule)
+        raise InfeasibleBudgetError(
+            f"{err} (The model's memory moves from batch to batch by up to "
+            f"{format_bytes(margin_bytes)}, measured, which the plan keeps free.)")
     if not schedule.feasible:
         # No plan leaves the slack: take one the simulator says fits exactly (its measured peak
         # may then exceed the budget by the few unprofiled bytes SLACK_BYTES is there for).
@@ -446,7 +498,8 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
     apply_schedule(model, schedule)
     amp = getattr(torch, profile.meta.autocast) if profile.meta.autocast else None
     return Plan(module=model, schedule=schedule, profile=profile, budget_bytes=budget_bytes,
-                autocast=amp, seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
+                autocast=amp, margin_bytes=margin_bytes,
+                seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:

@@ -26,9 +26,12 @@ def call_blockers(rec: Recording) -> list[str]:
 
     - A module called more than once per step: a region wraps the module, so all of its calls
       would be checkpointed together, which the solvers do not model.
-    - An op whose output shape depends on tensor values (``nonzero``, boolean masks, MoE token
-      routing): the replay is not proven to produce the same shapes, and the memory of other
-      batches differs from the recorded one.
+
+    Ops whose output shapes depend on tensor values (``nonzero``, boolean masks, MoE token
+    routing) do not block a call: its replay runs them on the same inputs with the RNG restored,
+    so it routes the same tokens, and non-reentrant checkpoint's determinism check raises if a
+    recomputed tensor's shape differs from forward's. Their memory differs between batches;
+    `planner.plan` keeps a measured margin for that (`ProfileMeta.data_dependent_ops`).
     - An in-place write to a tensor made before the call, other than a module buffer (buffers
       are swapped for copies during the replay): the replay would apply the write twice.
     - A tensor made inside the call and stored into an object the call was given (an HF
@@ -42,7 +45,6 @@ def call_blockers(rec: Recording) -> list[str]:
             made_at[s] = i
     buffer_storages = {r.storage for r in rec.ops if _is_buffer(r)}
     # prefix sums of "first blocking op at or after i" are overkill here: spans nest, so scan
-    dyn = [i for i, r in enumerate(rec.ops) if r.dynamic.startswith("output shape")]
     writes = [(i, s) for i, r in enumerate(rec.ops) if r.phase == "forward" for s in r.writes
               if s not in buffer_storages]
     out = []
@@ -51,10 +53,6 @@ def call_blockers(rec: Recording) -> list[str]:
             out.append(f"called {per_module[c.module]} times in one step")
             continue
         reason = ""
-        for i in dyn:
-            if c.start <= i <= c.end:
-                reason = rec.ops[i].dynamic
-                break
         if not reason:
             for i, s in writes:
                 if c.start <= i <= c.end and made_at.get(s, -1) < c.start:
@@ -129,6 +127,8 @@ def to_profile(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         step_ms_measured=rec.step_ms,
         capture="run",
+        data_dependent_ops=sum(1 for r in rec.ops if r.phase == "forward"
+                               and r.dynamic.startswith("output shape")),
     )
     return Profile(
         nodes=tuple(nodes),

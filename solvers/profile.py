@@ -147,6 +147,10 @@ class ProfileMeta:
     autocast: str = ""
     """The dtype forward and loss ran in under `torch.autocast` (``bfloat16``, ``float16``); ""
     when the step ran without autocast."""
+    data_dependent_ops: int = 0
+    """Forward ops whose output shapes depend on tensor values (``nonzero``, boolean indexing,
+    MoE routing): memory then differs from batch to batch, and the profile is exact only for the
+    batch it recorded."""
     capture: str = "graph"
     """How the step was captured: ``run`` (`planner.profile` ran one real step; regions are module
     calls, applied to the model in place) or ``graph`` (a traced graph, version 1 profiles, or a
