@@ -112,8 +112,11 @@ class Plan:
     seconds: dict[str, float] = field(default_factory=dict)
     """Where `plan` spent its time: ``profile``, ``solve``, ``apply``."""
     margin_bytes: int = 0
-    """Left unused below the budget for memory that changes from batch to batch (value-dependent
-    shapes, MoE routing): the spread of the unplanned step's measured peak over other batches."""
+    """Left unused below the budget, measured: for memory that moves from batch to batch
+    (value-dependent shapes, MoE routing), and for what torch.compile's regions keep beyond the
+    eager prediction (`plan(..., compile=...)`)."""
+    compiled_peak_bytes: int | None = None
+    """With `plan(..., compile=backend)`: the measured peak of the compiled planned step."""
     _baselines: dict[str, Schedule] = field(default_factory=dict, repr=False)
 
     @property
@@ -316,6 +319,40 @@ def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_f
     return peaks
 
 
+def compiled_peak(model: torch.nn.Module, example_inputs: Any, loss_fn, backend: str,
+                  autocast: torch.dtype | None = None) -> Measurement:
+    """One measured step of a copy of `model` (plan applied) under ``torch.compile(backend)``;
+    the model itself is untouched and dynamo's caches are cleared afterwards."""
+    twin = copy.deepcopy(model)
+    try:
+        compiled = torch.compile(twin, backend=backend)
+        return measure(compiled, example_inputs, loss_fn, repeats=1, autocast=autocast)
+    finally:
+        del twin
+        torch._dynamo.reset()
+
+
+def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autocast, backend,
+                  method, time_limit_s) -> Plan:
+    """Measure the compiled planned step; where it peaks above the budget less the slack,
+    re-plan with the overshoot kept free (`MARGIN_ROUNDS` at most)."""
+    margin = 0
+    for _ in range(MARGIN_ROUNDS):
+        measured = compiled_peak(model, example_inputs, loss_fn, backend, autocast)
+        p.compiled_peak_bytes = measured.peak_bytes
+        over = measured.peak_bytes - (p.budget_bytes - SLACK_BYTES)
+        if over <= 0:
+            break
+        margin += over
+        remove(model)
+        p = plan_from_profile(model, prof, budget_bytes=p.budget_bytes, method=method,
+                              time_limit_s=time_limit_s, margin_bytes=margin)
+    else:
+        p.compiled_peak_bytes = compiled_peak(model, example_inputs, loss_fn, backend,
+                                              autocast).peak_bytes
+    return p
+
+
 def _check_plannable(model: torch.nn.Module) -> None:
     """Refuse models whose wrapper or existing checkpointing a plan would silently change."""
     if not isinstance(model, torch.nn.Module):
@@ -395,6 +432,7 @@ def plan(
     repeats: int = 3,
     autocast: torch.dtype | None = None,
     extra_inputs: Sequence[Any] = (),
+    compile: str | None = None,
     progress: bool = False,
 ) -> Plan:
     """Plan activation checkpointing for `model` so that a training step fits the budget, and
@@ -418,6 +456,10 @@ def plan(
             hold for. Where the model's shapes depend on values (MoE routing, boolean masks),
             memory changes from batch to batch: the plan keeps a margin, the spread of the
             measured peak over these batches (or, without them, over other random draws).
+        compile: the `torch.compile` backend you will train with (``"inductor"``): the planned
+            model is compiled (a copy, whole-model) and measured, and re-planned with the
+            measured overshoot kept free where the compiled regions keep more than the eager
+            prediction. Compile the model yourself after planning, as torchtitan does.
 
     Raises:
         InfeasibleBudgetError: naming the smallest achievable peak and the largest activations.
@@ -442,6 +484,9 @@ def plan(
                    autocast=autocast, progress=progress)
     p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
                           time_limit_s=time_limit_s)  # budget None: the smallest peak
+    if budget is not None and compile is not None:
+        p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
+                          time_limit_s)
     if budget is not None and (prof.meta.data_dependent_ops or extra_inputs):
         # Memory moves from batch to batch: measure the planned step on other batches (or other
         # random draws) and keep the overshoot plus the spread below the budget.

@@ -58,7 +58,8 @@ class Row:
     strategy: str
     """``none``, a baseline name, ``compile(b)``, ``ours@f`` (sweep) or ``ours=<baseline>``."""
     kind: str
-    """``none``, ``baseline``, ``compile``, ``ours_sweep`` or ``ours_iso``."""
+    """``none``, ``baseline``, ``compile``, ``ours_sweep``, ``ours_iso``, ``ours_compiled``
+    (ours + torch.compile) or ``graph_sweep`` (make_fx graph plans)."""
     budget_bytes: int | None = None
     """The budget this strategy was solved or planned for (None: no budget in its definition)."""
     fraction: float | None = None
@@ -218,7 +219,7 @@ class CompareResult:
         style = {"none": ("k", "o"), "baseline": ("tab:blue", "s"), "compile": ("tab:orange", "^"),
                  "compile_other": ("tab:red", "v"), "ours_iso": ("tab:green", "*")}
         for r in self.rows:
-            if not r.measured or r.kind == "ours_sweep":
+            if not r.measured or r.kind in ("ours_sweep", "ours_compiled", "graph_sweep"):
                 continue
             c, mk = style[_style_key(r)]
             x, y = r.measured_peak_bytes / MiB, r.step_ms / base
@@ -227,15 +228,24 @@ class CompareResult:
                         capsize=2, alpha=0.9)
             ax.annotate(r.strategy, (x, y), textcoords="offset points", xytext=(4, 4),
                         fontsize=7, color=c)
-        sweep = sorted((r for r in self.rows if r.kind == "ours_sweep" and r.measured),
-                       key=lambda r: r.measured_peak_bytes)
-        if sweep:
+        lines = [("ours_sweep", None, "-D", "tab:green", "ours (sweep of budgets)")]
+        for backend in sorted({r.method.split(",")[0] for r in self.rows
+                               if r.kind == "ours_compiled" and r.method}):
+            color = "tab:purple" if backend == "inductor" else "tab:brown"
+            lines.append(("ours_compiled", backend, "-P", color, f"ours + {backend}"))
+        lines.append(("graph_sweep", None, "--x", "tab:gray", "make_fx graph plans"))
+        for kind, backend, fmt, color, label in lines:
+            sweep = sorted((r for r in self.rows if r.kind == kind and r.measured and (
+                backend is None or (r.method or "").startswith(backend))),
+                key=lambda r: r.measured_peak_bytes)
+            if not sweep:
+                continue
             xs = [r.measured_peak_bytes / MiB for r in sweep]
             ys = [r.step_ms / base for r in sweep]
-            ax.plot(xs, ys, "-D", color="tab:green", label="ours (sweep of budgets)")
+            ax.plot(xs, ys, fmt, color=color, label=label)
             for r, x, y in zip(sweep, xs, ys):
                 ax.annotate(r.strategy, (x, y), textcoords="offset points", xytext=(4, -10),
-                            fontsize=7, color="tab:green")
+                            fontsize=7, color=color)
         for f in self.fractions:
             ax.axvline(self.budgets[f] / MiB, color="grey", ls=":", lw=0.8)
             ax.text(self.budgets[f] / MiB, ax.get_ylim()[1], f" {f:g}x", fontsize=7,
@@ -314,6 +324,7 @@ class CompareResult:
                 f"{ours.step_ms_max:.0f} ms) vs {best.strategy} {best.extra_pct:+.1f}% "
                 f"(limit {limit:+.1f}%)",
             ))
+        out += self._compiled_checks()
         if self.eager_attention:
             ours = [r for r in self.rows if r.kind.startswith("ours") and r.measured]
             good = [r for r in ours if (self.activation_saving(r) or 0) >= 0.65]
@@ -330,6 +341,44 @@ class CompareResult:
                     if top else ""))
             out.append(("eager-attention transformer: >=65% less activation memory at <=5% "
                         "extra step time", ok, detail))
+        return out
+
+    def _compiled_checks(self, backend: str = "inductor") -> list[tuple[str, bool, str]]:
+        """Issue 10's targets for ours + `backend` at each fraction: it fits wherever any
+        strategy fits; it is at least as fast as the fastest fitting `backend(b)` row; where that
+        row costs +10% or more over `backend(1)` (the backend without extra recomputation), ours
+        costs at most half as much over `backend(1)`."""
+        out: list[tuple[str, bool, str]] = []
+        label = "compile" if backend == "aot_eager" else backend
+        plain = self.row(f"{label}(1)")
+        fitting_any = [r for r in self.rows if r.measured and r.kind != "none"]
+        for f in self.fractions:
+            budget = self.budgets[f]
+            ours = next((r for r in self.rows if r.kind == "ours_compiled" and r.fraction == f
+                         and (r.method or "").startswith(backend)), None)
+            if ours is None:
+                continue
+            fits = ours.measured and ours.measured_peak_bytes <= budget
+            any_fit = [r.strategy for r in fitting_any if r.measured_peak_bytes <= budget]
+            out.append((f"{f:g}x: ours + {backend} fits wherever any strategy fits",
+                        fits or not any_fit,
+                        f"ours {ours.measured_peak_bytes / MiB:.2f} MiB" if ours.measured
+                        else f"ours: {ours.status}"))
+            rivals = [r for r in self.rows if r.kind == "compile" and r.method == backend
+                      and r.measured and r.measured_peak_bytes <= budget]
+            if not fits or not rivals:
+                continue
+            best = min(rivals, key=lambda r: r.extra_pct)
+            out.append((f"{f:g}x: ours + {backend} at least as fast as the fastest fitting "
+                        f"{label}(b)", ours.extra_pct <= best.extra_pct,
+                        f"ours {ours.extra_pct:+.1f}% vs {best.strategy} {best.extra_pct:+.1f}%"))
+            if plain is not None and plain.measured and best.extra_pct - plain.extra_pct >= 10:
+                limit = (best.extra_pct - plain.extra_pct) / 2
+                out.append((f"{f:g}x: ours + {backend} costs at most half of {best.strategy}'s "
+                            f"extra over {plain.strategy}",
+                            ours.extra_pct - plain.extra_pct <= limit,
+                            f"ours {ours.extra_pct - plain.extra_pct:+.1f} points over "
+                            f"{plain.strategy}, limit {limit:+.1f}"))
         return out
 
     def checks_text(self) -> str:
@@ -450,7 +499,7 @@ def compare(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     fractions: Sequence[float] = (0.75, 0.5, 0.3),
     repeats: int = 3,
-    compile_budgets: Sequence[float] = (0.8, 0.5, 0.2, 0.0),
+    compile_budgets: Sequence[float] = (1.0, 0.8, 0.5, 0.2, 0.0),
     include_compile: bool = True,
     compile_backend: str | Sequence[str] = "aot_eager",
     eager_attention: bool | None = None,
@@ -473,7 +522,8 @@ def compare(
         fractions: activation-budget fractions for our sweep: budget = F + f * (N - F).
         repeats: round-robin rounds; every round measures every strategy once
             (`inner_repeats` timed steps each, after one warm-up step).
-        compile_budgets: values of ``torch._functorch.config.activation_memory_budget``.
+        compile_budgets: values of ``torch._functorch.config.activation_memory_budget`` (1.0:
+            the backend without extra recomputation, the reference for compiled rows).
         include_compile: measure the torch.compile entries at all.
         compile_backend: ``aot_eager`` (default), ``inductor`` (needs a C++ compiler on CPU), or
             a sequence of backends, each measured at every budget. aot_eager rows are named
@@ -670,8 +720,54 @@ def compare(
             row.predicted_extra_pct = _pred_pct(gp.schedule, gpt.profile)
             row.regions = len(gp.schedule.regions)
             add(row, gp.module)
+    if include_compile and hasattr(torch._functorch.config, "activation_memory_budget"):
+        # ours + torch.compile: our schedule applied to a copy of the model, compiled whole-model
+        # with the backend, re-planned with the measured overshoot kept free (never guessed)
+        import copy
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        for backend in backends:
+            for f in plan_fractions:
+                row = Row(strategy=f"ours+{backend}@{f:g}", kind="ours_compiled",
+                          budget_bytes=budgets[f], fraction=f, method=backend)
+                say(f"planning ours + {backend} at {f:g}x")
+                margin = 0
+                module = None
+                fitted = False
+                try:
+                    for _ in range(3):
+                        s = _solve_with_slack(prof, budgets[f] - margin, time_limit_s)
+                        if not s.feasible:
+                            least = s.min_peak_bytes or smallest_peak(prof)
+                            row.status = f"does not fit (smallest peak {least / MiB:.2f} MiB)"
+                            row.fits = False
+                            module = None
+                            break
+                        twin = apply_schedule(copy.deepcopy(model), s)
+                        module = torch.compile(twin, backend=backend)
+                        m = measure(module, example_inputs, loss_fn, repeats=1)
+                        row.method = f"{backend}, {s.method}"
+                        row.predicted_peak_bytes = s.predicted_peak_bytes
+                        row.predicted_extra_pct = _pred_pct(s, prof)
+                        row.regions = len(s.regions)
+                        if m.peak_bytes <= budgets[f]:
+                            fitted = True
+                            break
+                        margin += m.peak_bytes - budgets[f] + SLACK_BYTES
+                    if module is not None and not fitted:
+                        row.status = (f"does not fit compiled: {m.peak_bytes / MiB:.2f} MiB "
+                                      "measured after 3 plans, each with the previous overshoot "
+                                      "kept free")
+                    elif margin:
+                        row.status = f"ok (planned {margin / MiB:.2f} MiB below the budget, the " \
+                                     "measured overshoot of the compiled step)"
+                except Exception as ex:  # noqa: BLE001 - record, do not crash
+                    row.status = f"error: {type(ex).__name__}: {ex}"[:200]
+                    module = None
+                add(row, module)
     for e in entries:
-        if e.row.kind in ("ours_iso", "ours_sweep", "graph_sweep") and e.module is not None:
+        if e.row.kind in ("ours_iso", "ours_sweep", "graph_sweep", "ours_compiled") \
+                and e.module is not None:
             say(f"round 1/{repeats}: {e.row.strategy}")
             measure_entry(e)
 
@@ -730,8 +826,8 @@ def host_allocator() -> str:
     or linked), ``glibc`` on other Linux, ``unknown`` elsewhere.
 
     It matters on CPU: with glibc's malloc, large tensors freed and allocated again come back as
-    fresh pages, and first touching 16 MiB of them cost 25-30 ms on the development VM (an op that
-    otherwise takes 1 ms). Checkpointing frees and reallocates more than no checkpointing does, so
+    fresh pages, whose first touch costs more than the op that fills them (benchmarks/RESULTS.md
+    has the figures). Checkpointing frees and reallocates more than no checkpointing does, so
     glibc inflates its measured cost; PyTorch's CPU tuning guide recommends tcmalloc or jemalloc.
     """
     try:

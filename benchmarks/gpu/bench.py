@@ -3,7 +3,7 @@
 Run through ``bash benchmarks/gpu/run.sh`` (it installs what is missing, then calls this), or
 directly from the repository root:
 
-    python -m benchmarks.gpu.bench [--dry-run] [--out DIR] [--no-compile] ...
+    python benchmarks/gpu/bench.py [--dry-run] [--out DIR] [--no-compile] ...
 
 For each model (random weights from a config, bf16 parameters by default):
 
@@ -11,11 +11,14 @@ For each model (random weights from a config, bf16 parameters by default):
 2. a measure-mode profile on the GPU (`planner.profile`, small `repeats`);
 3. ``none``: the measured no-checkpoint peak N; F is the profile's fixed bytes (parameters,
    buffers, inputs); the budget at fraction f is ``F + f * (N - F)``;
-4. the anchors, each applied with `planner.inplace.applying` and measured: ``per_block``,
-   ``sqrt_n`` (where its segments are module calls), ``selective_matmul``;
+4. the anchors, each solved with `solvers.solve.solve`, applied with `planner.inplace.applying`
+   and measured: ``per_block``, ``sqrt_n`` (where its segments are module calls, else noted),
+   ``selective_matmul``;
 5. ours: `planner.plan_from_profile` at every fraction, at 20% below per_block's measured peak
    (``pb-20%``) and at the smallest achievable peak (``min``), measured with `planner.measure`
-   and taken off again with `planner.remove`;
+   and taken off again with `planner.remove` (`Plan.verify` at one fraction with ``--verify``).
+   Order: per_block, ours at the fractions, the other anchors, pb-20%, min: what matters most
+   first, in case the time guard stops the rest;
 6. after every model's eager rows: ``torch.compile`` with ``activation_memory_budget`` at each of
    ``--compile-budgets`` (as `planner.compare` does it), the budgets interleaved across models, so
    that a time guard that stops early leaves each model some compile rows.
@@ -405,54 +408,42 @@ class Bench:
                 return False
             return self.guard.allows(need, f"{name} {what}")
 
-        # anchors
         measured: dict[str, Row] = {}
-        for method in ANCHORS:
+
+        def anchor(method: str) -> None:
             row = self.add(Row(model=name, strategy=method, kind="anchor", method=method))
             if not time_left(method, per_measure):
                 row.status = "skipped: time guard"
-                continue
+                return
             with self.attempt(row):
                 s = solve(prof, 2**62, method)
                 self._predict(row, s, info)
                 if not applicable(s):
                     row.status = "not applicable in place (segments span several module calls)"
-                    continue
+                    return
                 with applying(model, s):
                     self._fill(row, self.measure(model, inputs), info)
                 measured[method] = row
 
-        # ours
-        least: int | None = None
-        targets: list[tuple[str, int | None]] = [("min", None)]
-        targets += [(k, b) for k, b in budgets.items()]
-        pb = measured.get("per_block")
-        if pb is not None and pb.measured_peak_bytes:
-            targets.append(("pb-20%", int(0.8 * pb.measured_peak_bytes)))
-        for label, budget in targets:
+        def ours(label: str, budget: int | None) -> None:
+            """Our plan at `budget` (None: the smallest achievable peak), measured."""
             row = self.add(Row(model=name, strategy=f"ours@{label}", kind="ours", fraction=label,
                                budget_bytes=budget))
-            if not time_left(f"ours@{label}", per_measure + a.solve_time_limit_s):
+            if not time_left(f"ours@{label}", per_measure + min(3.0, a.solve_time_limit_s)):
                 row.status = "skipped: time guard"
-                continue
+                return
             with self.attempt(row):
-                if budget is not None and least is not None and budget < least:
-                    row.status = (f"does not fit: budget {self.size(budget)} < smallest "
-                                  f"achievable peak {self.size(least)}")
-                    row.fits = False
-                    continue
                 try:
                     p = planner.plan_from_profile(model, prof, budget_bytes=budget,
                                                   time_limit_s=a.solve_time_limit_s)
                 except planner.InfeasibleBudgetError as ex:
                     row.status = "does not fit: " + str(ex).replace("\n", " ")[:300]
                     row.fits = False
-                    continue
+                    return
                 try:
                     row.method = p.schedule.method
                     if budget is None:  # the smallest achievable peak: no budget to fit
-                        least = p.schedule.predicted_peak_bytes
-                        info_public["smallest_peak_bytes"] = least
+                        info_public["smallest_peak_bytes"] = p.schedule.predicted_peak_bytes
                     self._predict(row, p.schedule, info)
                     p.example_inputs = inputs
                     self._fill(row, self.measure(model, inputs), info)
@@ -462,6 +453,18 @@ class Bench:
                                     f", max grad rel err {v.max_grad_rel_err:.2g}")
                 finally:
                     planner.remove(model)
+
+        # the most telling first, in case the time guard stops the rest
+        anchor("per_block")
+        for label, budget in budgets.items():
+            ours(label, budget)
+        for method in ANCHORS:
+            if method != "per_block":
+                anchor(method)
+        pb = measured.get("per_block")
+        if pb is not None and pb.measured_peak_bytes:
+            ours("pb-20%", int(0.8 * pb.measured_peak_bytes))
+        ours("min", None)
 
         for r in self.rows:
             if r.model == name and r.kind in ("none", "anchor") and r.measured_peak_bytes:
@@ -494,9 +497,11 @@ class Bench:
                 if not hasattr(fc, "activation_memory_budget"):
                     row.status = "skipped: this torch has no activation_memory_budget"
                     continue
-                need = last_cost.get(name, a.first_compile_s)
-                if not self.guard.allows(1.2 * need, f"{name} compile({b:g})"):
-                    row.status = f"skipped: time guard (a compile took ~{need:.0f} s here)"
+                need = 1.2 * last_cost.get(name, a.first_compile_s)
+                if not self.guard.allows(need, f"{name} compile({b:g})"):
+                    why = (f"the last compile of {name} took {last_cost[name]:.0f} s"
+                           if name in last_cost else f"--first-compile-s {a.first_compile_s:g}")
+                    row.status = f"skipped: time guard ({why}; {max(0, self.guard.left()):.0f} s left)"
                     continue
                 t0 = time.perf_counter()
                 with self.attempt(row):
@@ -517,38 +522,46 @@ class Bench:
                     budgets = info.get("budgets", {})
                     row.fits_fractions = [k for k, v in budgets.items() if m.peak_bytes <= v]
                 last_cost[name] = time.perf_counter() - t0
-                row.note = f"compile + {a.repeats + 2} steps in {last_cost[name]:.0f} s"
+                if row.measured_peak_bytes is not None:
+                    row.note = f"compile + {a.repeats + 2} steps in {last_cost[name]:.0f} s"
                 self.save()
         torch._dynamo.reset()
 
     # -- run ----------------------------------------------------------------------------------
-    def run(self) -> int:
+    def _work(self) -> None:
         a = self.args
         specs = [(DRY_MODELS if self.dry else GPU_MODELS)[n] for n in a.models]
         specs = [dataclasses.replace(s, batch=a.batch.get(s.name, s.batch)) for s in specs]
         compile_on = bool(a.compile_budgets) and not a.no_compile
         eager_total = a.time_limit_s * (1.0 if not compile_on else a.eager_share)
+        for i, spec in enumerate(specs):
+            share = (eager_total - self.guard.elapsed()) / (len(specs) - i)
+            if not self.guard.allows(5 if self.dry else 45, f"{spec.name} (all of it)"):
+                self.models[spec.name] = {"skipped": "time guard"}
+                continue
+            try:
+                self.eager_rows(spec, share)
+            except (Exception, TimeUp) as ex:  # noqa: BLE001 - the next model still runs
+                self.models.setdefault(spec.name, {})["error"] = \
+                    f"{type(ex).__name__}: {ex}"[:300]
+                self.errors.append(f"{spec.name}: {traceback.format_exc()}")
+                self.say(f"{spec.name}: failed: {type(ex).__name__}: {ex}")
+                self.live.pop(spec.name, None)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        if compile_on:
+            try:
+                self.compile_rows()
+            except (Exception, TimeUp) as ex:  # noqa: BLE001
+                self.errors.append(f"compile: {traceback.format_exc()}")
+                self.say(f"compile rows stopped: {type(ex).__name__}: {ex}")
+
+    def run(self) -> int:
         try:
-            for i, spec in enumerate(specs):
-                share = (eager_total - self.guard.elapsed()) / (len(specs) - i)
-                if not self.guard.allows(20, f"{spec.name} (all of it)"):
-                    self.models[spec.name] = {"skipped": "time guard"}
-                    continue
-                try:
-                    self.eager_rows(spec, share)
-                except (Exception, TimeUp) as ex:  # noqa: BLE001
-                    self.models.setdefault(spec.name, {})["error"] = \
-                        f"{type(ex).__name__}: {ex}"[:300]
-                    self.errors.append(f"{spec.name}: {traceback.format_exc()}")
-                    self.say(f"{spec.name}: failed: {type(ex).__name__}: {ex}")
-                    if self.device.type == "cuda":
-                        torch.cuda.empty_cache()
-            if compile_on:
-                try:
-                    self.compile_rows()
-                except (Exception, TimeUp) as ex:  # noqa: BLE001
-                    self.errors.append(f"compile: {traceback.format_exc()}")
-                    self.say(f"compile rows stopped: {type(ex).__name__}: {ex}")
+            self._work()
+        except TimeUp as ex:  # the alarm between two guarded pieces of work
+            self.say(f"stopped: {ex}")
+            self.guard.events.append(f"stopped at {self.guard.elapsed():.0f} s: {ex}")
         finally:
             self.guard.disarm()
         self.meta["seconds"] = round(self.guard.elapsed(), 1)
@@ -760,20 +773,24 @@ def _floats(text: str) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny sizes, fp32, aot_eager: every path that needs no CUDA")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu" / "out"))
-    p.add_argument("--models", default="gpt2m,llama1b", type=lambda s: s.split(","))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu" / "out"),
+                   help="where results.json, table.md, the profiles go (default: %(default)s)")
+    p.add_argument("--models", default="gpt2m,llama1b", type=lambda s: s.split(","),
+                   help="comma-separated, of gpt2m, llama1b (default: both)")
     p.add_argument("--batch", default="", type=_batches, help="e.g. gpt2m=16,llama1b=8")
     p.add_argument("--precision", choices=("bf16", "amp", "fp32"), default=None,
                    help="bf16: parameters in bf16, no autocast; amp: fp32 parameters, forward "
                         "and loss under bf16 autocast (default: bf16; fp32 in a dry run)")
-    p.add_argument("--fractions", default="0.75,0.5,0.3", type=_floats)
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per measurement")
-    p.add_argument("--profile-repeats", type=int, default=2)
-    p.add_argument("--solve-time-limit-s", type=float, default=10.0)
+    p.add_argument("--fractions", default="0.75,0.5,0.3", type=_floats,
+                   help="activation-budget fractions f: budget F + f (N - F) (0.75,0.5,0.3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed steps per measurement, after a warm-up and a peak step (3)")
+    p.add_argument("--profile-repeats", type=int, default=2, help="planner.profile repeats (2)")
+    p.add_argument("--solve-time-limit-s", type=float, default=10.0,
+                   help="time limit of each solve of ours (10)")
     p.add_argument("--compile-budgets", default=None, type=_floats,
                    help="activation_memory_budget values (default 0.8,0.5,0.2; 0.5 in a dry run)")
     p.add_argument("--compile-backend", default=None,
@@ -781,21 +798,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-scope", choices=("model", "blocks"), default="model",
                    help="model: torch.compile(model), as planner.compare; blocks: each "
                         "transformer block compiled (compiles once, far faster)")
-    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="no torch.compile rows")
     p.add_argument("--first-compile-s", type=float, default=None,
                    help="time to allow for the first compile of a model (default 90; 5 dry)")
     p.add_argument("--est-device", default="h200",
                    help="estimate-mode device spec (planner.devices), or 'none'")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                    help="Plan.verify (loss, gradients) at --verify-at (default: on in a dry run)")
-    p.add_argument("--verify-at", default="0.5")
-    p.add_argument("--verify-rtol", type=float, default=None)
-    p.add_argument("--verify-atol", type=float, default=None)
+    p.add_argument("--verify-at", default="0.5", help="the fraction label to verify at (0.5)")
+    p.add_argument("--verify-rtol", type=float, default=None,
+                   help="default 1e-4 in fp32, 5e-2 in bf16 or amp")
+    p.add_argument("--verify-atol", type=float, default=None,
+                   help="default 1e-5 in fp32, 5e-2 in bf16 or amp")
     p.add_argument("--time-limit-s", type=float, default=None,
                    help="stop and write results by then (default 420; 110 in a dry run)")
     p.add_argument("--eager-share", type=float, default=0.6,
-                   help="part of the time limit the eager rows of all models may take")
-    p.add_argument("--save-profiles", action=argparse.BooleanOptionalAction, default=True)
+                   help="part of the time limit the eager rows of all models may take (0.6)")
+    p.add_argument("--save-profiles", action=argparse.BooleanOptionalAction, default=True,
+                   help="write <model>[.estimate].profile.json.gz to --out (on)")
     a = p.parse_args(argv)
     dry = a.dry_run
     a.precision = a.precision or ("fp32" if dry else "bf16")

@@ -120,7 +120,7 @@ class CheckpointRegion(torch.nn.Module):
         # The body's generated `forward`, not the GraphModule itself: its __call__ wraps every
         # call in a try/except that, on any exception, extracts the traceback (linecache, a stat
         # per frame) before re-raising; checkpoint's early stop ends every replay with one, which
-        # cost ~60 us per region on the development CPU.
+        # cost more than the region's own checkpoint machinery on a CPU.
         run = self.body.forward
         if not torch.is_grad_enabled():
             return run(*args)
@@ -289,7 +289,7 @@ class PlannedModule(torch.nn.Module):
         self.graph_module = gm
         self._trace = trace
         # (owner module, attribute) of every parameter and buffer the graph takes, resolved once:
-        # `named_parameters()` walks every module on each call (1.4 ms a step on a 100-module
+        # `named_parameters()` walks every module on each call (milliseconds a step on a large
         # CNN), while getattr on the owner is cheap and still sees a tensor the user replaced.
         self._slots = [_owner(model, n) for n in (*trace.param_names, *trace.buffer_names)]
 

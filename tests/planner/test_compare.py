@@ -87,3 +87,16 @@ def test_cli_refuses_an_empty_backend_list(capsys) -> None:
         main(["compare", "tests.models:ln_linear_stack", "--compile-backend", ","])
     assert e.value.code == 2
     assert "--no-compile" in capsys.readouterr().err
+
+
+def test_ours_with_each_backend_is_measured_and_says_whether_it_fits(result) -> None:
+    """ours + <backend>: our schedule on a copy of the model compiled with the backend, planned
+    again with the measured overshoot kept free. On this small stack the compiled regions keep
+    more than the same plan in eager, and no plan gets the compiled step under 0.75x: the row
+    says so instead of claiming a fit."""
+    rows = {r.strategy: r for r in result.rows if r.kind == "ours_compiled"}
+    assert set(rows) == {"ours+aot_eager@0.75", "ours+eager@0.75"}
+    for r in rows.values():
+        assert r.measured and r.regions > 0, r
+        assert r.fits == (r.measured_peak_bytes <= r.budget_bytes)
+        assert r.status.startswith("ok") == bool(r.fits), r

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 import planner
 from planner.api import SLACK_BYTES
 from planner.capture.record import default_loss
+from planner.measurement import measure
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
 from tests.models import call, resnet_bn
@@ -109,3 +110,20 @@ def test_inductor_per_block_trains_like_eager_planned():
     assert not counters["graph_break"]
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_plan_for_compile_keeps_the_compiled_step_within_budget():
+    """plan(..., compile=backend) measures the compiled planned step and plans again with the
+    overshoot kept free: the compiled step then peaks within the budget."""
+    torch._dynamo.reset()
+    model, x, loss_fn = _hf_gpt2()
+    prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
+    n, f = simulate(prof).peak_bytes, prof.fixed_bytes
+    budget = int(f + 0.6 * (n - f))
+    p = planner.plan(model, budget_bytes=budget, example_inputs=x, loss_fn=loss_fn, repeats=1,
+                     compile="aot_eager")
+    assert p.compiled_peak_bytes is not None and p.compiled_peak_bytes <= budget
+    compiled = torch.compile(model, backend="aot_eager")
+    assert measure(compiled, x, loss_fn, repeats=1).peak_bytes <= budget
+    planner.remove(model)
+    torch._dynamo.reset()
