@@ -27,6 +27,17 @@ MODELS = {
     "resnet50": zoo.resnet50,  # batch 64, 224x224
     "unet": zoo.unet,  # batch 8, 256x256, base 64, depth 4
 }
+"""Profiled for --device (default h100)."""
+
+LLAMA3_70B = {
+    # (name, builder kwargs, device): the offline 70B study (notebooks/llama70b.ipynb)
+    "llama3_70b_lora16_seq4096": (dict(seq=4096, lora_rank=16), "mi300x"),
+    "llama3_70b_lora16_seq8192": (dict(seq=8192, lora_rank=16), "mi300x"),
+    "llama3_70b_seq4096_mi300x": (dict(seq=4096), "mi300x"),
+    "llama3_70b_seq4096_h100": (dict(seq=4096), "h100"),
+}
+"""Llama-3-70B, batch 1: LoRA r=16 on one MI300X, and full fine-tuning (planned per rank under
+FSDP2 from the same profile) on MI300X and H100."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,20 +46,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="h100", help="device spec for the roofline (default h100)")
     ap.add_argument("--out", default=str(ROOT / "profiles"), help="output folder")
     args = ap.parse_args(argv)
-    unknown = [n for n in args.names if n not in MODELS]
+    unknown = [n for n in args.names if n not in MODELS and n not in LLAMA3_70B]
     if unknown:
-        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from "
+                 f"{', '.join([*MODELS, *LLAMA3_70B])}")
 
     from planner.profiling import profile  # imports torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in args.names or list(MODELS):
+    for name in args.names or [*MODELS, *LLAMA3_70B]:
         t0 = time.perf_counter()
-        model, inputs = MODELS[name]()
+        if name in LLAMA3_70B:
+            kw, device = LLAMA3_70B[name]
+            model, inputs = zoo.llama3_70b(**kw)
+            filename = f"{name}.json.gz"
+        else:
+            model, inputs = MODELS[name]()
+            device, filename = args.device, f"{name}_{args.device}.json.gz"
         n_params = sum(p.numel() for p in model.parameters())
-        prof = profile(model, inputs, mode="estimate", device=args.device)
-        path = prof.save(out / f"{name}_{args.device}.json.gz")
+        prof = profile(model, inputs, mode="estimate", device=device)
+        path = prof.save(out / filename)
         secs = time.perf_counter() - t0
         print(
             f"{path.name}: {n_params / 1e6:.1f} M params, {len(prof.nodes)} nodes, "

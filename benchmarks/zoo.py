@@ -199,3 +199,43 @@ def llama7b(
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
     return model, _token_batch(batch, seq, config.vocab_size, device)
+
+
+LLAMA3_70B = dict(
+    vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+    num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0,
+)
+"""Llama-3-70B's shape (80 layers, hidden 8192, GQA 64/8, vocab 128256)."""
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def llama3_70b(
+    batch: int = 1,
+    seq: int = 4096,
+    *,
+    lora_rank: int | None = None,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.bfloat16,
+    **config_overrides,
+):
+    """Llama-3-70B from its config (random or meta weights), SDPA attention, bf16, input_ids +
+    labels, use_cache=False. With `lora_rank`, PEFT LoRA of that rank on every attention and MLP
+    projection, adapters kept in the base's bf16 (``autocast_adapter_dtype=False``: PEFT's
+    default upcasts them to fp32, which makes every projection's output fp32), base frozen."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(LLAMA3_70B, max_position_embeddings=max(8192, seq))
+    kw.update(config_overrides)
+    config = LlamaConfig(**kw)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    if lora_rank is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=list(LORA_TARGETS))
+        model = get_peft_model(model, lora, autocast_adapter_dtype=False)
+    model.train()
+    return model, _token_batch(batch, seq, config.vocab_size, device)

@@ -51,7 +51,7 @@ model = GPT2LMHeadModel(config)
 model.loss_type = "ForCausalLM"
 model.train()
 ids = torch.randint(0, config.vocab_size, (batch, seq))
-inputs = {"input_ids": ids, "labels": ids}
+inputs = {"input_ids": ids, "labels": ids, "use_cache": False}  # as training scripts call it
 print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")"""
         ),
         new_markdown_cell(
@@ -84,18 +84,26 @@ print("measured peak within the budget" if over <= 0 else
       f"measured peak OVER the budget by {over / 2**10:.1f} KiB")"""
         ),
         new_markdown_cell(
-            "`plan.module` is the model to train: it uses the same parameter tensors, so the "
-            "optimizer and `state_dict` of `model` keep working."
+            "The plan is on `model` itself (`plan.module is model`): the checkpointed modules run "
+            "under `torch.utils.checkpoint`, everything else is untouched, so the optimizer, "
+            "`state_dict`, `save_pretrained` and `generate` work as before, and any batch no "
+            "larger than the example trains within the budget. `planner.remove(model)` takes "
+            "the plan off."
         ),
         new_code_cell(
             """\
+assert plan.module is model
+print("checkpointed:", [r.module for r in plan.schedule.regions])
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 for step in range(2):
-    loss = plan.module(**inputs).loss
+    loss = model(**inputs).loss
     loss.backward()
     opt.step()
     opt.zero_grad()
-    print(step, loss.item())"""
+    print(step, loss.item())
+shorter = {"input_ids": ids[:2, : seq // 2], "labels": ids[:2, : seq // 2], "use_cache": False}
+print("a shorter batch:", model(**shorter).loss.item())
+planner.remove(model)"""
         ),
     ]
     return new_notebook(cells=cells)

@@ -508,11 +508,13 @@ def plan(
 
 def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes: int | None,
                       method: str = "auto", time_limit_s: float | None = None,
-                      margin_bytes: int = 0) -> Plan:
+                      margin_bytes: int = 0, example_inputs: Any = None,
+                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
     """Solve `profile` (recorded from `model`) for `budget_bytes` and apply the schedule to
     `model` in place. Leaves `SLACK_BYTES` (and `margin_bytes`) of the budget unused where a plan
     can. With `budget_bytes` None, the cheapest schedule at the smallest achievable peak
-    (`solvers.solve.lowest`), its budget that peak."""
+    (`solvers.solve.lowest`), its budget that peak. `example_inputs` and `loss_fn` (those of the
+    profile) let `Plan.verify` and `Plan.measure` run."""
     t0 = time.perf_counter()
     if budget_bytes is None:
         schedule = lowest(profile, time_limit_s if time_limit_s is not None else 10.0)
@@ -522,6 +524,7 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
         amp = getattr(torch, profile.meta.autocast) if profile.meta.autocast else None
         return Plan(module=model, schedule=schedule, profile=profile,
                     budget_bytes=schedule.predicted_peak_bytes, autocast=amp,
+                    example_inputs=example_inputs, loss_fn=loss_fn,
                     seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
     schedule = solve(profile, budget_bytes - SLACK_BYTES - margin_bytes, method=method,
                      time_limit_s=time_limit_s)
@@ -543,8 +546,8 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
     apply_schedule(model, schedule)
     amp = getattr(torch, profile.meta.autocast) if profile.meta.autocast else None
     return Plan(module=model, schedule=schedule, profile=profile, budget_bytes=budget_bytes,
-                autocast=amp, margin_bytes=margin_bytes,
-                seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
+                autocast=amp, margin_bytes=margin_bytes, example_inputs=example_inputs,
+                loss_fn=loss_fn, seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
 
 
 def remove(model: torch.nn.Module) -> torch.nn.Module:

@@ -211,13 +211,14 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
             model=model, args=args, kwargs=kwargs, loss_fn=loss_fn or default_loss,
             params=params, buffers=buffers,
             call=lambda: torch.func.functional_call(model, state, args, kwargs),
-            autocast=autocast, device_type="cuda" if spec_dev.kind != "cpu" else "cpu",
+            # the fakes live on the CPU: autocast for the CPU casts them as a GPU's would
+            autocast=autocast, device_type="cpu",
         )
         say(f"recording one step on fake tensors ({spec_dev.name} estimate)")
         kernels = gpu_kernels() if spec_dev.kind != "cpu" else contextlib.nullcontext()
         with fake_mode, kernels:
             rec = record_step(spec, fake=True)
-        roofline_times(rec.ops, spec_dev, dtype)
+        roofline_times(rec.ops, spec_dev, dtype)  # each op at its own dtype, else the model's
         say(f"recorded {len(rec.ops)} ops")
         return to_profile(
             rec, model_class=model_class, device=spec_dev.kind, device_name=spec_dev.name,

@@ -437,7 +437,7 @@ class Bench:
                     p = planner.plan_from_profile(model, prof, budget_bytes=budget,
                                                   time_limit_s=a.solve_time_limit_s)
                 except planner.InfeasibleBudgetError as ex:
-                    row.status = "does not fit: " + str(ex).replace("\n", " ")[:300]
+                    row.status = "does not fit: " + str(ex).replace("\n", " ")[:1000]
                     row.fits = False
                     return
                 try:
@@ -447,7 +447,9 @@ class Bench:
                     self._predict(row, p.schedule, info)
                     p.example_inputs = inputs
                     self._fill(row, self.measure(model, inputs), info)
-                    if a.verify and label == a.verify_at:
+                    # --verify-at, or the smallest-peak plan (last) when that one did not fit
+                    if a.verify and (label == a.verify_at or (label == "min" and not any(
+                            r.note.startswith("verified") for r in self.rows if r.model == name))):
                         v = p.verify(rtol=a.verify_rtol, atol=a.verify_atol, repeats=1)
                         row.note = (f"verified: loss {v.loss_original:.5g} vs {v.loss_planned:.5g}"
                                     f", max grad rel err {v.max_grad_rel_err:.2g}")
@@ -666,6 +668,8 @@ class Bench:
                 fits = ""
             strategy = r.strategy + (f" ({r.method})" if r.kind == "ours" and r.method else "")
             status = r.status + (f"; {r.note}" if r.note else "")
+            if len(status) > 240:  # the whole text is in results.json
+                status = status[:240].rsplit(" ", 1)[0] + " ..."
             cells = [r.model, r.fraction, strategy, g(r.budget_bytes), g(r.measured_peak_bytes),
                      g(r.predicted_peak_bytes), g(r.est_peak_bytes),
                      "" if r.step_ms is None else f"{r.step_ms:.1f}", pct(r.extra_pct),
@@ -804,7 +808,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--est-device", default="h200",
                    help="estimate-mode device spec (planner.devices), or 'none'")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                   help="Plan.verify (loss, gradients) at --verify-at (default: on in a dry run)")
+                   help="Plan.verify (loss, gradients) at --verify-at, else at min (default: on in "
+                        "a dry run)")
     p.add_argument("--verify-at", default="0.5", help="the fraction label to verify at (0.5)")
     p.add_argument("--verify-rtol", type=float, default=None,
                    help="default 1e-4 in fp32, 5e-2 in bf16 or amp")

@@ -81,24 +81,28 @@ if [[ -n $missing ]]; then
     constraints=$(mktemp)
     "$PY" -c 'import torch; print("torch==" + torch.__version__)' >"$constraints"
     WHEELS=${WHEELS:-$ROOT/benchmarks/gpu/wheels}
-    # shellcheck disable=SC2086 # $missing is a list of names
     if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        from=(--no-index --find-links "$WHEELS")
         say "installing $missing from $WHEELS"
-        "$PY" -m pip install -q --no-index --find-links "$WHEELS" -c "$constraints" $missing \
-            || say "pip could not install $missing from $WHEELS"
     else
+        from=(--timeout 20 --retries 1)
         say "installing $missing from the package index"
-        "$PY" -m pip install -q --timeout 20 --retries 1 -c "$constraints" $missing \
-            || say "pip could not install $missing (no registry here? run fetch_wheels.sh" \
-                "where pip works and carry benchmarks/gpu/wheels)"
     fi
+    for pkg in $missing; do   # one at a time: a package that cannot be had stops no other
+        "$PY" -m pip install -q "${from[@]}" -c "$constraints" "$pkg" \
+            || say "pip could not install $pkg (a machine without a registry: run" \
+                "fetch_wheels.sh where pip works and carry benchmarks/gpu/wheels)"
+    done
     rm -f "$constraints"
     if ! "$PY" -c 'import transformers' >/dev/null 2>&1; then
         echo "run.sh: transformers is missing and could not be installed" >&2
         exit 2
     fi
-    "$PY" -c 'import pulp, highspy' >/dev/null 2>&1 \
-        || say "PuLP/highspy missing: 'auto' plans without the ILP (dp and nested only)"
+    if ! "$PY" -c 'import pulp' >/dev/null 2>&1; then
+        say "PuLP missing: 'auto' plans without the ILP (dp and nested only)"
+    elif ! "$PY" -c 'import highspy' >/dev/null 2>&1; then
+        say "highspy missing: the ILP runs on CBC (PuLP's own), not HiGHS"
+    fi
 fi
 if ! (cd /tmp && PYTHONPATH= "$PY" -c 'import planner, solvers') >/dev/null 2>&1; then
     say "pip install -e . (no dependencies, no build isolation)"

@@ -90,10 +90,12 @@ def gpu_kernels() -> Iterator[None]:
 
 
 def roofline_times(ops: list[Any], spec: DeviceSpec, dtype: str) -> None:
-    """Set every recorded op's time to its roofline estimate on `spec` (placeholders, getitem and
-    views, which only relabel memory: 0)."""
+    """Set every recorded op's time to its roofline estimate on `spec`, at the dtype the op
+    computes in (a bf16 matmul under autocast at the bf16 peak), `dtype` where it has none
+    (placeholders, getitem and views, which only relabel memory: 0)."""
     for r in ops:
         if r.phase in ("param", "buffer", "input") or r.op == "getitem" or r.view:
             r.time_ms = 0.0
         else:
-            r.time_ms = round(roofline_ms(spec, r.flops, r.bytes_moved, dtype), 6)
+            at = r.dtype if r.dtype in spec.peak_flops else dtype
+            r.time_ms = round(roofline_ms(spec, r.flops, r.bytes_moved, at), 6)

@@ -211,6 +211,8 @@ class OpRecord:
     """Bytes the op allocated and freed again while it ran (measured on CPU)."""
     view: bool = False
     """The op returns a view of an input (its schema says the output aliases it, read-only)."""
+    dtype: str = ""
+    """The dtype the op computes in (its first floating input's; its output's if none)."""
 
 
 @dataclass(frozen=True)
@@ -287,6 +289,13 @@ def op_name(func: Any) -> str:
             return f"aten.{func.__name__}"
         return f"{func.namespace}.{func.__name__}"
     return getattr(func, "__name__", str(func))
+
+
+def _compute_dtype(inputs: list[torch.Tensor], out: Any) -> str:
+    for t in [*inputs, *_tensors(out)]:
+        if t.is_floating_point():
+            return str(t.dtype).removeprefix("torch.")
+    return ""
 
 
 def is_view(func: Any) -> bool:
@@ -477,6 +486,7 @@ class _Recorder(TorchDispatchMode):
             writes=writes,
             dynamic=_dynamic_reason(func),
             view=is_view(func),
+            dtype=_compute_dtype(in_tensors, out),
         )
         if self.phase in ("forward", "loss") and any(o is not None for o in out_sids):
             if seq != self.last_seq:  # this op created autograd node seq - 1
