@@ -36,10 +36,11 @@ from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
 from planner.profiling import profile
-from solvers.errors import CkptPlannerError, ScheduleError
+from solvers.distributed import per_rank
+from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
 from solvers.schedule import Schedule
-from solvers.simulate import peak_breakdown
+from solvers.simulate import peak_breakdown, simulate
 from solvers.solve import BASELINES, lowest, smallest_peak, solve
 from solvers.units import format_bytes, parse_budget
 
@@ -117,6 +118,9 @@ class Plan:
     eager prediction (`plan(..., compile=...)`)."""
     compiled_peak_bytes: int | None = None
     """With `plan(..., compile=backend)`: the measured peak of the compiled planned step."""
+    local_profile: Profile | None = None
+    """Under data parallelism (`profile` is one rank's: `solvers.distributed.per_rank`), the
+    profile of the step as this process runs it before DDP or FSDP wraps the model."""
     _baselines: dict[str, Schedule] = field(default_factory=dict, repr=False)
 
     @property
@@ -128,11 +132,23 @@ class Plan:
         """Extra step time from recomputation, as a fraction of the profiled step time."""
         return self.schedule.predicted_recompute_ms / max(self.profile.step_ms, 1e-9)
 
+    def rank_offset_bytes(self) -> int:
+        """What one rank holds beyond this process's unwrapped step under this schedule (DDP's
+        buckets; FSDP's sharding, a negative number), by the prediction; 0 for one process."""
+        if self.local_profile is None or self.local_profile is self.profile:
+            return 0
+        return self.predicted_peak_bytes - simulate(self.local_profile,
+                                                    self.schedule.regions).peak_bytes
+
     def baselines(self) -> dict[str, Schedule]:
         """The baselines solved at the same budget (computed once)."""
         if not self._baselines:
             for m in BASELINES:
-                self._baselines[m] = solve(self.profile, self.budget_bytes, method=m)
+                try:
+                    self._baselines[m] = solve(self.profile, self.budget_bytes, method=m)
+                except ScheduleError:  # segments spanning FSDP units: no such plan exists
+                    if self.profile.meta.sharding != "fsdp":
+                        raise
         return self._baselines
 
     def report(self) -> str:
@@ -146,6 +162,11 @@ class Plan:
             f"optimizer state {format_bytes(p.optimizer_state_bytes)}); activations saved "
             f"without checkpointing {format_bytes(p.saved_bytes)}; profiled step "
             f"{p.step_ms:.2f} ms ({p.meta.mode}, {p.meta.device_name})",
+            *([f"one rank of {p.meta.world_size} under "
+               + (f"FSDP2 ({len(p.meta.shard_units)} units besides the root, parameters, "
+                  "gradients and optimizer state sharded)" if p.meta.sharding == "fsdp"
+                  else "DDP (full replicas plus gradient buckets)")
+               + "; peaks are per rank"] if p.meta.sharding else []),
             f"{'method':<22} {'status':<11} {'peak':>12} {'extra time':>18} {'regions':>8}",
         ]
         for name, s in rows:
@@ -206,10 +227,25 @@ class Plan:
 
         return verify_against(unplanned, contextlib.nullcontext(model), self.example_inputs,
                               self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
-                              atol=atol, repeats=repeats, autocast=self.autocast)
+                              atol=atol, repeats=repeats, autocast=self.autocast,
+                              predicted_peak_bytes=self.predicted_peak_bytes_now())
+
+    def predicted_peak_bytes_now(self) -> int:
+        """The predicted peak of the model as it is wrapped now: per rank once DDP wraps it or
+        `fully_shard` has sharded it (as planned), else this process's unwrapped step."""
+        meta = self.profile.meta
+        if self.local_profile is None or not meta.sharding:
+            return self.predicted_peak_bytes
+        wrapped = type(self.module).__name__ == "DistributedDataParallel" if \
+            meta.sharding == "ddp" else _fsdp_sharded(self.module)
+        if wrapped:
+            return self.predicted_peak_bytes
+        return simulate(self.local_profile, self.schedule.regions).peak_bytes
 
     def measure(self, repeats: int = 5) -> Measurement:
-        """Peak memory and step time of the planned model on the example inputs."""
+        """Peak memory and step time of the planned model on the example inputs (one rank's,
+        once the model is wrapped by DDP or sharded by `fully_shard`: compare with
+        `predicted_peak_bytes_now`)."""
         return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats,
                        autocast=self.autocast)
 
@@ -221,7 +257,8 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
                    schedule: Schedule, budget_bytes: int, *, rtol: float = 1e-5,
                    atol: float = 1e-6, repeats: int = 3,
                    planned_params: torch.nn.Module | None = None,
-                   autocast: torch.dtype | None = None) -> Verification:
+                   autocast: torch.dtype | None = None,
+                   predicted_peak_bytes: int | None = None) -> Verification:
     """Compare one training step of the unplanned model (`reference`, a context that yields it)
     with the planned one (`planned`): loss, gradients, measured peak and time. The planned
     module's gradients are read from `planned_params` where it wraps the model (graph plans)."""
@@ -254,7 +291,8 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
         loss_planned=l1.item(),
         max_grad_rel_err=worst,
         measured_peak_bytes=m1.peak_bytes,
-        predicted_peak_bytes=schedule.predicted_peak_bytes,
+        predicted_peak_bytes=schedule.predicted_peak_bytes if predicted_peak_bytes is None
+        else predicted_peak_bytes,
         budget_bytes=budget_bytes,
         measured_none_peak_bytes=m0.peak_bytes,
         step_ms_original=m0.step_ms,
@@ -337,20 +375,33 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
     """Measure the compiled planned step; where it peaks above the budget less the slack,
     re-plan with the overshoot kept free (`MARGIN_ROUNDS` at most)."""
     margin = 0
+    local = p.local_profile
     for _ in range(MARGIN_ROUNDS):
         measured = compiled_peak(model, example_inputs, loss_fn, backend, autocast)
         p.compiled_peak_bytes = measured.peak_bytes
-        over = measured.peak_bytes - (p.budget_bytes - SLACK_BYTES)
+        over = p.rank_offset_bytes() + measured.peak_bytes - (p.budget_bytes - SLACK_BYTES)
         if over <= 0:
             break
         margin += over
         remove(model)
         p = plan_from_profile(model, prof, budget_bytes=p.budget_bytes, method=method,
                               time_limit_s=time_limit_s, margin_bytes=margin)
+        p.local_profile = local
     else:
         p.compiled_peak_bytes = compiled_peak(model, example_inputs, loss_fn, backend,
                                               autocast).peak_bytes
     return p
+
+
+def _fsdp_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP (FSDP2's `fully_shard` or the FullyShardedDataParallel wrapper) has sharded
+    any module of `model`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return any(isinstance(m, FSDPModule) or type(m).__name__ == "FullyShardedDataParallel"
+               for m in model.modules())
 
 
 def _check_plannable(model: torch.nn.Module) -> None:
@@ -363,7 +414,7 @@ def _check_plannable(model: torch.nn.Module) -> None:
             "the model is already wrapped by torch.compile; plan the model first and compile "
             "after: plan(model, ...), then torch.compile(model) (or block.compile() per block)"
         )
-    if any(type(m).__name__.startswith("FSDP") for m in model.modules()):
+    if _fsdp_sharded(model):
         raise CkptPlannerError(
             "the model is already sharded with FSDP; apply the plan before fully_shard, as "
             "torchtitan orders activation checkpointing and FSDP"
@@ -433,6 +484,9 @@ def plan(
     autocast: torch.dtype | None = None,
     extra_inputs: Sequence[Any] = (),
     compile: str | None = None,
+    world_size: int | None = None,
+    fsdp: bool = False,
+    fsdp_units: Sequence[str] | None = None,
     progress: bool = False,
 ) -> Plan:
     """Plan activation checkpointing for `model` so that a training step fits the budget, and
@@ -460,6 +514,18 @@ def plan(
             model is compiled (a copy, whole-model) and measured, and re-planned with the
             measured overshoot kept free where the compiled regions keep more than the eager
             prediction. Compile the model yourself after planning, as torchtitan does.
+        world_size: ranks of data parallelism; the budget is then one rank's, `example_inputs`
+            one rank's micro-batch. Default: torch.distributed's world size where it is
+            initialized, else 1. A DistributedDataParallel model is planned as DDP.
+        fsdp: the model will be sharded with FSDP2 (`fully_shard` on each of `fsdp_units`, then
+            on the root, after planning): parameters, gradients and optimizer state count 1/N,
+            plus the all-gathered parameters of the units in flight. Without it and with more
+            than one rank: DDP (full replicas plus its gradient buckets).
+        fsdp_units: the modules you will `fully_shard` besides the root (default: each repeated
+            block, e.g. every transformer layer); a region never spans two of them.
+
+    Under torch.distributed, `plan` is collective: call it on every rank (as `fully_shard` and
+    DDP are); every rank applies rank 0's schedule.
 
     Raises:
         InfeasibleBudgetError: naming the smallest achievable peak and the largest activations.
@@ -479,30 +545,85 @@ def plan(
         raise CkptPlannerError(
             "the model is in eval mode; checkpointing is for training: call model.train() first"
         )
+    world, sharding = _data_parallel(given, world_size, fsdp, fsdp_units)
     t0 = time.perf_counter()
-    prof = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats,
-                   autocast=autocast, progress=progress)
+    local = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                    repeats=repeats, autocast=autocast, progress=progress)
+    prof = local
+    if sharding:
+        try:
+            prof = per_rank(local, world_size=world, sharding=sharding,
+                            units=list(fsdp_units) if fsdp_units is not None else None)
+        except ProfileError as e:
+            raise CkptPlannerError(str(e)) from None
     p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
                           time_limit_s=time_limit_s)  # budget None: the smallest peak
+    p.local_profile = local
     if budget is not None and compile is not None:
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
                           time_limit_s)
+        p.local_profile = local
     if budget is not None and (prof.meta.data_dependent_ops or extra_inputs):
         # Memory moves from batch to batch: measure the planned step on other batches (or other
         # random draws) and keep the overshoot plus the spread below the budget.
         margin = 0
         for _ in range(MARGIN_ROUNDS):
             peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast)
-            need = max(peaks) + (max(peaks) - min(peaks)) - (budget - SLACK_BYTES)
+            need = (p.rank_offset_bytes() + max(peaks) + (max(peaks) - min(peaks))
+                    - (budget - SLACK_BYTES))
             if need <= 0:
                 break
             margin += need
             remove(model)
             p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
                                   time_limit_s=time_limit_s, margin_bytes=margin)
+            p.local_profile = local
+    if _distributed() and world > 1:
+        p = _agree(model, p)
     p.module, p.loss_fn, p.example_inputs, p.optimizer = given, loss_fn, example_inputs, optimizer
     p.autocast = autocast
     p.seconds = {"profile": time.perf_counter() - t0, **p.seconds}
+    return p
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _data_parallel(given: torch.nn.Module, world_size: int | None, fsdp: bool,
+                   fsdp_units: Sequence[str] | None) -> tuple[int, str]:
+    """(ranks, sharding) a plan is made for: ``fsdp``, ``ddp`` or "" (one process)."""
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
+                                   or world_size < 1):
+        raise CkptPlannerError(f"world_size={world_size!r}: expected a positive number of ranks")
+    if fsdp_units is not None and not fsdp:
+        raise CkptPlannerError("fsdp_units is given but fsdp is False; pass fsdp=True")
+    if isinstance(fsdp_units, str):
+        raise CkptPlannerError("fsdp_units is a list of module names, e.g. ['model.layers.0', ...]")
+    ddp = type(given).__name__ == "DistributedDataParallel"
+    if fsdp and ddp:
+        raise CkptPlannerError("the model is wrapped in DistributedDataParallel but fsdp=True; "
+                               "plan the unwrapped model and shard it with fully_shard after")
+    world = world_size if world_size is not None else (
+        torch.distributed.get_world_size() if _distributed() else 1)
+    if _distributed() and world_size is not None and world_size != \
+            torch.distributed.get_world_size():
+        warnings.warn(f"planning for world_size={world_size} while torch.distributed has "
+                      f"{torch.distributed.get_world_size()} ranks", stacklevel=3)
+    if fsdp:
+        return world, "fsdp"
+    return world, "ddp" if ddp or world > 1 else ""
+
+
+def _agree(model: torch.nn.Module, p: Plan) -> Plan:
+    """Every rank takes rank 0's schedule (profiled times differ from rank to rank, and with
+    them, near a tie, the cheapest schedule)."""
+    box = [p.schedule]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0].regions != p.schedule.regions:
+        remove(model)
+        apply_schedule(model, box[0])
+        p.schedule = box[0]
     return p
 
 

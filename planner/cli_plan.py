@@ -10,7 +10,16 @@ import argparse
 import sys
 import time
 
-from solvers import Profile, ProfileError, Schedule, available_methods, simulate, solve
+from solvers import (
+    Profile,
+    ProfileError,
+    Schedule,
+    ScheduleError,
+    available_methods,
+    simulate,
+    solve,
+)
+from solvers.distributed import per_rank
 from solvers.simulate import peak_breakdown
 from solvers.solve import BASELINES, lowest, pareto, smallest_peak
 from solvers.units import BudgetError, format_bytes, parse_budget
@@ -40,6 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"evaluate every method over {SWEEP_POINTS} budgets, smallest peak to no checkpointing",
     )
     parser.add_argument("--plot", help="with --sweep: write the memory/time frontier as a PNG")
+    parser.add_argument(
+        "--world-size", type=int, default=None, metavar="N",
+        help="plan one rank of N under data parallelism (the profile is one rank's micro-batch): "
+             "DDP, or FSDP2 with --fsdp")
+    parser.add_argument(
+        "--fsdp", action="store_true",
+        help="FSDP2: parameters, gradients and optimizer state sharded N ways, the units in "
+             "flight all-gathered (fully_shard on each repeated block and the root)")
+    parser.add_argument(
+        "--fsdp-units", metavar="MODULES",
+        help="with --fsdp: comma-separated module names fully_shard is applied to besides the "
+             "root (default: every repeated block)")
 
 
 def _row(name: str, s: Schedule, step_ms: float, secs: float) -> list[str]:
@@ -76,7 +97,12 @@ def _sweep(p: Profile, args: argparse.Namespace) -> int:
     rows, points = [], {m: [] for m in methods}
     for b in budgets:
         for m in methods:
-            s, _ = _timed(p, b, m, args.time_limit)
+            try:
+                s, _ = _timed(p, b, m, args.time_limit)
+            except ScheduleError:  # under FSDP: segments of several units do not exist
+                if p.meta.sharding != "fsdp":
+                    raise
+                continue
             rows.append([f"{b / _GIB:.4f}", m, s.status, f"{s.predicted_peak_bytes / _GIB:.4f}",
                          f"{s.predicted_recompute_ms:.2f}"])
             if s.feasible:
@@ -133,12 +159,36 @@ def _minimum(p: Profile, args: argparse.Namespace) -> int:
     return 0
 
 
+def _per_rank(p: Profile, args: argparse.Namespace) -> Profile:
+    """The profile of one rank, as --world-size, --fsdp and --fsdp-units ask."""
+    if args.fsdp_units and not args.fsdp:
+        raise ValueError("--fsdp-units needs --fsdp")
+    world = args.world_size if args.world_size is not None else 1
+    if world < 1:
+        raise ValueError(f"--world-size is {world}, expected a positive number of ranks")
+    units = [u.strip() for u in args.fsdp_units.split(",") if u.strip()] \
+        if args.fsdp_units else None
+    q = per_rank(p, world_size=world, sharding="fsdp" if args.fsdp else "ddp", units=units)
+    what = (f"FSDP2 over {world} ranks, {len(q.meta.shard_units)} units besides the root"
+            if args.fsdp else f"DDP over {world} ranks, gradient buckets "
+            f"{format_bytes(p.grad_bytes)}")
+    print(f"per rank: {what}; fixed memory {format_bytes(q.fixed_bytes)} "
+          f"(one process: {format_bytes(p.fixed_bytes)})")
+    return q
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         p = Profile.load(args.profile)
     except ProfileError as e:
         print(f"ckpt-planner plan: {e}", file=sys.stderr)
         return 2
+    if args.world_size is not None or args.fsdp or args.fsdp_units:
+        try:
+            p = _per_rank(p, args)
+        except (ProfileError, ValueError) as e:
+            print(f"ckpt-planner plan: {e}", file=sys.stderr)
+            return 2
     if args.method != "auto" and args.method not in available_methods():
         print(f"ckpt-planner plan: unknown method {args.method!r}; expected one of "
               f"{', '.join(available_methods())}", file=sys.stderr)
@@ -165,7 +215,13 @@ def run(args: argparse.Namespace) -> int:
     rows = [_row(label, chosen, p.step_ms, secs)]
     for m in BASELINES:
         if m != chosen.method:
-            s, t = _timed(p, budget, m, args.time_limit)
+            try:
+                s, t = _timed(p, budget, m, args.time_limit)
+            except ScheduleError:  # under FSDP: segments of several units do not exist
+                if p.meta.sharding != "fsdp":
+                    raise
+                rows.append([m, "n/a: spans FSDP units", "", "", "", "", ""])
+                continue
             rows.append(_row(m, s, p.step_ms, t))
     print(f"profile {args.profile}: budget {budget / _GIB:.4f} GiB, no-checkpoint peak "
           f"{simulate(p).peak_bytes / _GIB:.4f} GiB, step {p.step_ms:.2f} ms")

@@ -15,6 +15,7 @@ the applier needs.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
@@ -24,7 +25,7 @@ import numpy as np
 
 from solvers.errors import ScheduleError
 from solvers.graph import graph_index
-from solvers.profile import ModuleCall, Profile, cached
+from solvers.profile import COLLECTIVE_PREFIX, ModuleCall, Profile, cached
 from solvers.schedule import Region, Schedule
 
 __all__ = [
@@ -439,6 +440,12 @@ def _candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
         if (span.a, span.b) not in seen:
             seen.add((span.a, span.b))
             out.append(span)
+    # Under FSDP (`solvers.distributed`) no region may hold a unit's all-gather or reshard.
+    g = graph_index(profile)
+    coll = [k for k, i in enumerate(g.forward)
+            if profile.nodes[i].op.startswith(COLLECTIVE_PREFIX)]
+    if coll:
+        out = [s for s in out if bisect.bisect_left(coll, s.a) == bisect.bisect_right(coll, s.b)]
     out.sort(key=lambda s: (s.a, -s.b))
     return tuple(out)
 

@@ -53,6 +53,7 @@ from solvers.chain import (
     storage_positions,
     useful_calls,
 )
+from solvers.errors import ScheduleError
 from solvers.graph import graph_index
 from solvers.profile import Profile, cached
 from solvers.schedule import Region, Schedule
@@ -304,7 +305,10 @@ def _incumbents(profile: Profile, budget_bytes: int) -> list[tuple[str, tuple[Re
     those whose regions are all module calls)."""
     out = []
     for name, method in baselines.BY_NAME.items():
-        regs = method(profile, budget_bytes, None).regions
+        try:
+            regs = method(profile, budget_bytes, None).regions
+        except ScheduleError:  # one FSDP rank's profile: segments spanning units do not exist
+            continue
         if in_place(profile) and not applicable(bind(profile, regs)):
             continue
         out.append((name, regs))

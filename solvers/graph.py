@@ -8,7 +8,7 @@ order: the coordinates in which regions, cuts and segments of the forward chain 
 
 from __future__ import annotations
 
-from solvers.profile import FIXED_PHASES, Profile, cached
+from solvers.profile import COLLECTIVE_PREFIX, FIXED_PHASES, Profile, cached
 
 __all__ = ["CPU_RNG_STATE_BYTES", "GraphIndex", "graph_index"]
 
@@ -63,6 +63,9 @@ class GraphIndex:
         self.grad_of = [
             self.name_to_i[nd.grad_of] if nd.grad_of is not None else -1 for nd in nodes
         ]
+        self.collectives = [i for i, nd in enumerate(nodes)
+                            if nd.op.startswith(COLLECTIVE_PREFIX)]
+        """Node indices of FSDP's events (`solvers.distributed`), which no region may hold."""
         self.forward = [i for i, ph in enumerate(self.phase) if ph == "forward"]
         """Node indices of the forward nodes, in execution order (forward position -> node)."""
         self.fwd_pos = {i: k for k, i in enumerate(self.forward)}

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from solvers.errors import ProfileError
 
 __all__ = [
+    "COLLECTIVE_PREFIX",
     "FIXED_PHASES",
     "PHASES",
     "SCHEMA",
@@ -51,6 +52,10 @@ offline with node-range regions."""
 # the model's output into the scalar loss; "backward" nodes are what autograd ran.
 PHASES = ("param", "buffer", "input", "forward", "loss", "backward")
 FIXED_PHASES = frozenset({"param", "buffer", "input"})
+
+COLLECTIVE_PREFIX = "fsdp."
+"""Ops of the nodes `solvers.distributed.per_rank` adds for FSDP2's all-gathers, reshards and
+reduce-scatters: they run no kernel of the model and no region may contain one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +160,15 @@ class ProfileMeta:
     """How the step was captured: ``run`` (`planner.profile` ran one real step; regions are module
     calls, applied to the model in place) or ``graph`` (a traced graph, version 1 profiles, or a
     profile built by hand; regions are any node ranges)."""
+    world_size: int = 1
+    """Ranks of data parallelism the profile describes one of (`solvers.distributed.per_rank`);
+    1 for a single process."""
+    sharding: str = ""
+    """``ddp`` (full parameters and gradients on every rank, plus DDP's gradient buckets),
+    ``fsdp`` (FSDP2 `fully_shard`: parameters, gradients and optimizer state sharded, the units
+    in flight all-gathered), or "" for a single process."""
+    shard_units: list[str] = field(default_factory=list)
+    """With ``fsdp``: the modules `fully_shard` is applied to besides the root, in forward order."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -435,6 +449,14 @@ def _validate(p: Profile) -> None:
         v = getattr(p, key)
         if not _is_count(v):
             raise ProfileError(f"{key} is {v!r}, expected a non-negative integer")
+    ws = p.meta.world_size
+    if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+        raise ProfileError(f"meta.world_size is {ws!r}, expected a positive integer")
+    if p.meta.sharding not in ("", "ddp", "fsdp"):
+        raise ProfileError(f"meta.sharding is {p.meta.sharding!r}, expected 'ddp', 'fsdp' or ''")
+    if not isinstance(p.meta.shard_units, list) or not all(
+            isinstance(u, str) for u in p.meta.shard_units):
+        raise ProfileError("meta.shard_units is not a list of module names")
     seen: dict[str, int] = {}
     owner: dict[int, str] = {}
     last_phase = 0

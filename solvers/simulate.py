@@ -110,6 +110,12 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
             raise ScheduleError(f"region {k} ({r.start}..{r.end}) must start and end on forward nodes")
         if a > b:
             raise ScheduleError(f"region {k} starts after it ends ({r.start} > {r.end})")
+        c = bisect.bisect_left(g.collectives, a)
+        if c < len(g.collectives) and g.collectives[c] <= b:
+            raise ScheduleError(
+                f"region {k} ({r.start}..{r.end}) holds {g.names[g.collectives[c]]}: under FSDP "
+                "a region must lie inside one fully_shard unit"
+            )
         spans.append((a, b, k))
     spans.sort(key=lambda t: (t[0], -t[1]))
     # Regions must be in order of their start, an outer region before the ones inside it; two

@@ -15,7 +15,7 @@ import time
 from solvers import baselines
 from solvers.chain import applicable, bind, in_place
 from solvers.dp import dp
-from solvers.errors import SolverUnavailableError
+from solvers.errors import ScheduleError, SolverUnavailableError
 from solvers.nested import nested
 from solvers.profile import Profile
 from solvers.schedule import Method, Schedule
@@ -156,6 +156,13 @@ def _run(profile: Profile, budget_bytes: int, fn: Method, name: str,
     )
 
 
+def sharded(profile: Profile) -> bool:
+    """Whether `profile` is one FSDP rank's, where methods that build segments of several
+    blocks (`sqrt_n`, `chen_greedy`) give regions spanning fully_shard units: `solve` raises
+    ScheduleError for those, and `auto` passes over them."""
+    return profile.meta.sharding == "fsdp"
+
+
 def _usable(profile: Profile, schedule: Schedule) -> bool:
     """A recorded profile's schedule must be applicable to the model's modules."""
     return not in_place(profile) or applicable(schedule)
@@ -174,6 +181,11 @@ def _auto(profile: Profile, budget_bytes: int, time_limit_s: float | None) -> Sc
             s = solve(profile, budget_bytes, name, left)
         except SolverUnavailableError:
             tried[name] = "unavailable"
+            continue
+        except ScheduleError:
+            if not sharded(profile):
+                raise
+            tried[name] = "not applicable: spans FSDP units"
             continue
         if not _usable(profile, s):
             tried[name] = "not applicable in place"
@@ -199,6 +211,10 @@ def smallest_peak(profile: Profile, time_limit_s: float | None = 10.0) -> int:
             s = solve(profile, 0, name, time_limit_s)
         except SolverUnavailableError:
             continue
+        except ScheduleError:
+            if not sharded(profile):
+                raise
+            continue
         if not _usable(profile, s):
             continue
         best = min(best, s.predicted_peak_bytes, s.min_peak_bytes or math.inf)
@@ -217,6 +233,10 @@ def lowest(profile: Profile, time_limit_s: float | None = 10.0) -> Schedule:
         try:
             s = solve(profile, 0, name, time_limit_s)
         except SolverUnavailableError:
+            continue
+        except ScheduleError:
+            if not sharded(profile):
+                raise
             continue
         if _usable(profile, s) and s.predicted_peak_bytes <= least:
             return finish(profile, s, least)

@@ -2,7 +2,9 @@
 `torch.multiprocessing`, each bounded in time.
 
 `plan(DDP(model))` plans the module inside the wrapper in place, so DDP's gradient hooks are
-untouched: the ranks stay in sync and train exactly like one process on the whole batch.
+untouched: the ranks stay in sync and train exactly like one process on the whole batch. Per-rank
+plans (`plan(..., fsdp=True)` before `fully_shard`, `plan(DDP(model), ...)`) hold their budget on
+every rank, as measured there, and train like one process.
 """
 
 from __future__ import annotations
@@ -101,3 +103,111 @@ def test_plan_of_a_ddp_model_keeps_gradients_in_sync():
     for k in ref:
         torch.testing.assert_close(states[0][k], states[1][k], rtol=0, atol=0, msg=k)
         torch.testing.assert_close(states[0][k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# -- per-rank budgets ------------------------------------------------------------------------------
+
+PEAK_TOLERANCE = 0.05
+"""Predicted per-rank peak against the one measured on that rank, relative."""
+
+
+def _llama_and_batches(lora: bool = False):
+    from tests.models import hf_llama
+
+    model, inputs = hf_llama(batch=2 * WORLD, seq=64, layers=3, hidden=64, heads=4, kv_heads=2,
+                             intermediate=192, vocab=512)
+    if lora:  # PEFT adapters on a frozen base: FSDP2 shards both, gradients only for adapters
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                "gate_proj", "up_proj", "down_proj"]))
+    ids = [torch.randint(0, 512, inputs["input_ids"].shape,
+                         generator=torch.Generator().manual_seed(k)) for k in range(STEPS)]
+    return model, inputs, ids
+
+
+def _micro(ids: torch.Tensor, rank: int) -> dict:
+    half = ids.shape[0] // WORLD
+    mb = ids[rank * half:(rank + 1) * half]
+    return {"input_ids": mb, "labels": mb, "use_cache": False}
+
+
+def _budget_between(model, inputs, sharding: str) -> int:
+    """A budget halfway between the smallest achievable per-rank peak and no checkpointing."""
+    import planner
+    from solvers.distributed import per_rank
+    from solvers.simulate import simulate
+    from solvers.solve import smallest_peak
+
+    q = per_rank(planner.profile(model, inputs, repeats=1), world_size=WORLD, sharding=sharding)
+    return (simulate(q).peak_bytes + smallest_peak(q)) // 2
+
+
+def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        import planner
+
+        lora = sharding.endswith("+lora")
+        sharding = sharding.removesuffix("+lora")
+        model, inputs, ids = _llama_and_batches(lora)
+        mb = _micro(inputs["input_ids"], rank)
+        budget = _budget_between(model, mb, sharding)
+        if sharding == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            p = planner.plan(model, budget_bytes=budget, example_inputs=mb, fsdp=True, repeats=1)
+            mesh = init_device_mesh("cpu", (WORLD,))
+            layers = (model.base_model.model if lora else model).model.layers
+            for layer in layers:  # the units the plan assumed: each block, then the root
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            trained = model
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            trained = DDP(model)
+            p = planner.plan(trained, budget_bytes=budget, example_inputs=mb, repeats=1)
+        assert p.profile.meta.sharding == sharding and p.profile.meta.world_size == WORLD
+        assert p.schedule.regions, "the budget should need checkpointing"
+        m = p.measure(repeats=1)
+        opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+        for b in ids:
+            opt.zero_grad(set_to_none=True)
+            trained(**_micro(b, rank)).loss.backward()
+            opt.step()
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+                 for k, v in model.state_dict().items()}
+        torch.save({"state": state, "budget": budget, "measured": m.peak_bytes,
+                    "predicted": p.predicted_peak_bytes_now(),
+                    "regions": [r.module for r in p.schedule.regions]},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp", "fsdp+lora"])
+def test_per_rank_plan_holds_its_budget_on_every_rank(sharding):
+    with tempfile.TemporaryDirectory() as out:
+        _spawn(_per_rank_worker, _free_port(), out, sharding)
+        res = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
+    assert res[0]["regions"] == res[1]["regions"], "every rank applies the same plan"
+    for r in res:
+        assert r["measured"] <= r["budget"], (r["measured"], r["budget"])
+        err = abs(r["predicted"] - r["measured"]) / r["measured"]
+        assert err <= PEAK_TOLERANCE, (sharding, r["predicted"], r["measured"])
+    # one process on the whole batch, unplanned: the mean of the ranks' losses
+    model, inputs, ids = _llama_and_batches(sharding.endswith("+lora"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for b in ids:
+        opt.zero_grad(set_to_none=True)
+        loss = sum(model(**_micro(b, r)).loss for r in range(WORLD)) / WORLD
+        loss.backward()
+        opt.step()
+    for k, ref in model.state_dict().items():
+        for r in res:
+            torch.testing.assert_close(r["state"][k], ref, rtol=1e-4, atol=1e-5, msg=k)

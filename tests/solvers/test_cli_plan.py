@@ -56,3 +56,21 @@ def test_plan_unknown_method(solver_cases, tmp_path, capsys):
     path = solver_cases["chain4"].save(tmp_path / "chain4.json")
     assert main(["plan", str(path), "--budget-gb", "1", "--method", "nope"]) == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+
+
+def test_plan_per_rank_under_fsdp_and_ddp(capsys):
+    from pathlib import Path
+
+    gpt2 = str(Path(__file__).resolve().parents[2] / "profiles" / "gpt2_small_h100.json.gz")
+    assert main(["plan", gpt2, "--world-size", "8", "--fsdp", "--budget-gb", "12",
+                 "--method", "per_block"]) == 0
+    text = capsys.readouterr().out
+    assert "per rank: FSDP2 over 8 ranks, 12 units besides the root" in text
+    assert "n/a: spans FSDP units" in text  # sqrt_n's segments of several layers
+    assert main(["plan", gpt2, "--world-size", "2", "--budget-gb", "40"]) == 0
+    assert "per rank: DDP over 2 ranks, gradient buckets" in capsys.readouterr().out
+    assert main(["plan", gpt2, "--fsdp-units", "transformer.h.0", "--budget-gb", "40"]) == 2
+    assert "--fsdp-units needs --fsdp" in capsys.readouterr().err
+    assert main(["plan", gpt2, "--fsdp", "--fsdp-units", "transformer.h.99",
+                 "--budget-gb", "40"]) == 2
+    assert "not a module called in this step" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""Per-rank profiles (`solvers.distributed.per_rank`), torch-free, on a committed profile.
+
+What these check is bookkeeping: which memory is sharded, which events FSDP2 adds, that no region
+spans two units. That the events match what FSDP2 and DDP allocate is measured on real ranks
+(`tests/planner/test_distributed.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from solvers import Profile, ProfileError, ScheduleError, simulate, solve
+from solvers.distributed import default_units, per_rank
+from solvers.profile import COLLECTIVE_PREFIX
+from solvers.solve import smallest_peak
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return Profile.load(ROOT / "profiles" / "gpt2_small_h100.json.gz")
+
+
+def test_default_units_are_the_transformer_layers(gpt2):
+    assert default_units(gpt2) == [f"transformer.h.{i}" for i in range(12)]
+
+
+def test_ddp_adds_the_gradient_buckets_and_nothing_else(gpt2):
+    q = per_rank(gpt2, world_size=8, sharding="ddp")
+    assert q.meta.world_size == 8 and q.meta.sharding == "ddp"
+    assert q.fixed_bytes == gpt2.fixed_bytes + gpt2.grad_bytes
+    for regions in ((), solve(gpt2, 1 << 50, "per_block").regions):
+        assert simulate(q, regions).peak_bytes == simulate(gpt2, regions).peak_bytes + \
+            gpt2.grad_bytes
+
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+def test_fsdp_shards_parameters_and_gradients(gpt2, world):
+    q = per_rank(gpt2, world_size=world, sharding="fsdp")
+    assert q.meta.shard_units == default_units(gpt2)
+    assert q.param_bytes <= gpt2.param_bytes // world + len(
+        [n for n in gpt2.nodes if n.phase == "param"])
+    assert q.grad_bytes <= gpt2.grad_bytes // world + 13  # one rounding per unit and the root
+    # the last node standing: sharded gradients only (every full gradient was reduce-scattered)
+    grads = {q.nodes[q.index(g)].name for g in q.grads}
+    assert all(g.startswith("fsdp.sharded_grads(") for g in grads)
+    assert len(grads) == 13
+
+
+def test_fsdp_events_bracket_every_unit(gpt2):
+    q = per_rank(gpt2, world_size=4, sharding="fsdp")
+    names = [n.name for n in q.nodes]
+    for u in q.meta.shard_units:
+        call = next(c for c in q.calls if c.module == u)
+        a, b = names.index(call.start), names.index(call.end)
+        assert names[a - 1] == f"fsdp.all_gather({u})"
+        assert names[b + 1] == f"fsdp.reshard_after_forward({u})"
+        # in backward: all-gathered (or prefetched) before, reduce-scattered after
+        assert names.index(f"fsdp.unshard({u})") < names.index(f"fsdp.reduce_scatter({u})")
+    # units run backward in reverse, each prefetching the one before it
+    order = [n.name for n in q.nodes if n.op == "fsdp.unshard"]
+    assert order == [f"fsdp.unshard({u})" for u in reversed(q.meta.shard_units)]
+
+
+def test_no_region_spans_two_units(gpt2):
+    q = per_rank(gpt2, world_size=8, sharding="fsdp")
+    blocked = {c.module for c in q.calls if "FSDP units" in c.blocker}
+    assert "transformer" in blocked and "" in blocked
+    budget = (simulate(q).peak_bytes + smallest_peak(q)) // 2
+    for method in ("auto", "per_block", "dp", "ilp", "nested", "every_k"):
+        s = solve(q, budget, method)
+        for r in s.regions:
+            a, b = q.index(r.start), q.index(r.end)
+            assert not any(n.op.startswith(COLLECTIVE_PREFIX) for n in q.nodes[a:b + 1]), \
+                (method, r)
+    assert solve(q, budget, "auto").feasible
+    # segments of several blocks (uniform sqrt(N)) span units: refused, and auto passes them over
+    with pytest.raises(ScheduleError, match="inside one fully_shard unit"):
+        solve(q, budget, "sqrt_n")
+    assert "FSDP" in solve(q, budget, "auto").stats["auto_tried"]["sqrt_n"]
+
+
+def test_fsdp_peak_falls_with_more_ranks(gpt2):
+    peaks = [simulate(per_rank(gpt2, world_size=w, sharding="fsdp")).peak_bytes
+             for w in (1, 2, 4, 8)]
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0]
+    # one rank of one: everything unsharded, plus the all-gather buffers and copies in flight
+    assert peaks[0] > simulate(gpt2).peak_bytes
+
+
+def test_misuse_is_refused_with_what_to_do(gpt2):
+    with pytest.raises(ProfileError, match="positive integer"):
+        per_rank(gpt2, world_size=0, sharding="fsdp")
+    with pytest.raises(ProfileError, match="expected one of"):
+        per_rank(gpt2, world_size=2, sharding="zero3")
+    q = per_rank(gpt2, world_size=2, sharding="ddp")
+    with pytest.raises(ProfileError, match="single-process profile"):
+        per_rank(q, world_size=2, sharding="fsdp")
+    with pytest.raises(ProfileError, match="not a module called"):
+        per_rank(gpt2, world_size=2, sharding="fsdp", units=["transformer.h.99"])
+    with pytest.raises(ProfileError, match="nest"):
+        per_rank(gpt2, world_size=2, sharding="fsdp",
+                 units=["transformer.h.0", "transformer.h.0.mlp"])
+    traced = dataclasses.replace(gpt2, meta=dataclasses.replace(gpt2.meta, capture="graph"))
+    with pytest.raises(ProfileError, match="recorded by running"):
+        per_rank(traced, world_size=2, sharding="fsdp")
+
+
+def test_per_rank_profile_round_trips_through_json(gpt2, tmp_path):
+    q = per_rank(gpt2, world_size=8, sharding="fsdp")
+    back = Profile.load(q.save(tmp_path / "rank.json.gz"))
+    assert back.meta == q.meta
+    assert simulate(back).peak_bytes == simulate(q).peak_bytes
