@@ -8,9 +8,11 @@ order: the coordinates in which regions, cuts and segments of the forward chain 
 
 from __future__ import annotations
 
+import numpy as np
+
 from solvers.profile import COLLECTIVE_PREFIX, FIXED_PHASES, Profile, cached
 
-__all__ = ["CPU_RNG_STATE_BYTES", "GraphIndex", "graph_index"]
+__all__ = ["CPU_RNG_STATE_BYTES", "GraphIndex", "IndexArrays", "graph_index"]
 
 CPU_RNG_STATE_BYTES = 5056
 """Size of `torch.get_rng_state()` (the mt19937 state), saved by every region with random ops."""
@@ -99,6 +101,19 @@ class GraphIndex:
         self.call_holds = {(c.start, c.end): c.holds for c in p.calls if c.holds}
         self.has_optimizer = bool(p.optimizer_state_bytes or p.optimizer_step_bytes)
         self.optimizer_step_bytes = p.optimizer_step_bytes
+        self._arrays: IndexArrays | None = None
+        self.spans: dict[tuple[int, int], tuple[list[int], frozenset[int], frozenset[int]]] = {}
+        """A region's node span -> its forward nodes, the storages they make, the storages
+        they read from outside (the simulator's, computed once per span)."""
+        self.replays: dict = {}
+        """The simulator's replay of each region that saves nothing, by its span and those of
+        the regions nested in it: it depends on nothing else in a schedule."""
+
+    def arrays(self) -> IndexArrays:
+        """The same facts as numpy arrays, for the simulator's vectorized passes (built once)."""
+        if self._arrays is None:
+            self._arrays = IndexArrays(self)
+        return self._arrays
 
     def position(self, name: str) -> int:
         """Forward position of the forward node called `name`."""
@@ -108,3 +123,45 @@ class GraphIndex:
 def graph_index(p: Profile) -> GraphIndex:
     """The GraphIndex of a profile, built once per profile."""
     return cached(p, "graph_index", GraphIndex)
+
+
+class IndexArrays:
+    """A GraphIndex's per-node and per-storage facts as int64 arrays (-1: none)."""
+
+    def __init__(self, g: GraphIndex) -> None:
+        n_st = len(g.sbytes)
+        self.sbytes = np.asarray(g.sbytes, dtype=np.int64)
+        self.ws = np.asarray(g.ws, dtype=np.int64)
+        self.is_fixed = np.asarray([ph in FIXED_PHASES for ph in g.phase], dtype=bool)
+        pairs = [(i, s) for i, r in enumerate(g.reads) for s in r]
+        self.read_node = np.asarray([i for i, _ in pairs], dtype=np.int64)
+        """(reader, storage) pairs: every storage each node reads, fixed memory excluded."""
+        self.read_storage = np.asarray([s for _, s in pairs], dtype=np.int64)
+        self.read_gradof = np.asarray(g.grad_of, dtype=np.int64)[self.read_node] \
+            if pairs else np.zeros(0, dtype=np.int64)
+        self.release = np.full(n_st, -1, dtype=np.int64)
+        for s, i in g.release.items():
+            if s not in g.fixed_storages:
+                self.release[s] = i
+        self.persist = np.asarray(sorted(g.persist), dtype=np.int64)
+        self.formula_end = np.full(n_st, -1, dtype=np.int64)
+        """Storages made by a backward formula: the formula's last op (`GraphIndex.bw_end`)."""
+        for i in range(g.fwd_end + 1, g.n):
+            if g.grad_of[i] >= 0:
+                for s in g.new[i]:
+                    self.formula_end[s] = g.bw_end[g.grad_of[i]]
+        saves = [(f, s, e) for f, e in g.bw_end.items() for s in g.saves[f]
+                 if s not in g.fixed_storages]
+        self.save_node = np.asarray([f for f, _, _ in saves], dtype=np.int64)
+        """(saver, storage, end of the saver's backward) triples, fixed memory excluded."""
+        self.save_storage = np.asarray([s for _, s, _ in saves], dtype=np.int64)
+        self.save_end = np.asarray([e for _, _, e in saves], dtype=np.int64)
+        self.maker = np.full(n_st, -1, dtype=np.int64)
+        """The op that allocates each storage (-1: a placeholder, fixed memory)."""
+        self.alloc = np.zeros(g.n, dtype=np.int64)
+        """Bytes each op allocates (0 for placeholders)."""
+        for i in range(g.n):
+            if not self.is_fixed[i]:
+                for s in g.new[i]:
+                    self.maker[s] = i
+                    self.alloc[i] += g.sbytes[s]

@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from solvers.chain import early_stops
 from solvers.errors import ScheduleError
@@ -47,7 +50,8 @@ __all__ = ["MEMO_SIZE", "Simulation", "peak_breakdown", "simulate"]
 
 MEMO_SIZE = 4096
 """Simulations kept per profile (`simulate` is pure: solvers re-check the same schedules across
-methods and budgets); the memo is emptied when it reaches this size."""
+methods and budgets), and likewise region replays; each memo is emptied when it reaches this
+size."""
 
 
 @dataclass(frozen=True)
@@ -80,14 +84,14 @@ class _Reg:
     """Node index: the replay runs the span's nodes up to here (-1: nothing)."""
     trigger: int
     bw_end: int
-    produced: set[int]
+    produced: frozenset[int]
     holds: tuple[int, ...] = ()
     own: list[int] = field(default_factory=list)
     """The nodes in no child region: their saves belong to this region."""
     children: list[int] = field(default_factory=list)
     parent: int = -1
     depth: int = 0
-    inputs: set[int] = field(default_factory=set)
+    inputs: frozenset[int] = frozenset()
     """Storages its nodes read that it does not produce."""
 
 
@@ -142,16 +146,20 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
     raw: dict[int, _Reg] = {}
     for a, b, k in spans:
         r = regions[k]
-        nodes = [i for i in range(a, b + 1) if g.phase[i] == "forward"]
+        span = g.spans.get((a, b))
+        if span is None:  # the same span recurs in many schedules
+            nodes = [i for i in range(a, b + 1) if g.phase[i] == "forward"]
+            made = frozenset(s for i in nodes for s in g.new[i])
+            span = g.spans[(a, b)] = (nodes, made,
+                                      frozenset(s for i in nodes for s in g.reads[i]) - made)
+        nodes, produced, inputs = span
         saved = set()
         for name in r.saved:
             j = g.name_to_i.get(name)
             if j is None or not a <= j <= b:
                 raise ScheduleError(f"region {k}: saved node {name!r} is not inside the region")
             saved.add(j)
-        produced = {s for i in nodes for s in g.new[i]}
         holds = g.call_holds.get((r.start, r.end), ())  # the call this region is, if any
-        inputs = {s for i in nodes for s in g.reads[i]} - produced
         raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs)
     # A region that never replays (none of its saved tensors is read in backward) is left out,
     # its nodes belonging to its parent; leaving one out can change its parent, so repeat.
@@ -240,43 +248,13 @@ def simulate(p: Profile, schedule: Schedule | tuple[Region, ...] = (), *,
 def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Simulation:
     g = graph_index(p)
     regs = _resolve(p, regions)
-    # A node's backward reads the copy its outermost region's replays make of anything produced
-    # inside that region; the original is kept only if produced outside it.
-    region_of = {i: k for k, r in enumerate(regs) if r.parent < 0 for i in r.nodes}
-
-    # 1. Original instances: the node index after which each storage is freed.
-    last: dict[int, int] = {}
-    for i in range(g.n):
-        gf = g.grad_of[i]
-        k = region_of.get(gf) if gf >= 0 else None
-        for s in g.reads[i]:
-            if k is not None and s in regs[k].produced:
-                continue  # this backward op reads the replay's copy
-            last[s] = i
-    for s, i in g.release.items():  # held by the model's code beyond its last reader
-        if s not in g.fixed_storages and i > last.get(s, -1):
-            last[s] = i
-    for s in g.persist:
-        last[s] = g.end
-    # A backward formula runs in C++: temporaries it creates live until the formula returns, so
-    # storages made by one autograd node's backward die no earlier than its last op.
-    for i in range(g.fwd_end + 1, g.n):
-        gf = g.grad_of[i]
-        if gf >= 0:
-            for s in g.new[i]:
-                if s in last and g.bw_end[gf] > last[s]:
-                    last[s] = g.bw_end[gf]
-    for f in range(g.n):
-        if f in region_of or f not in g.bw_end:
-            continue
-        for s in g.saves[f]:  # saved by an op outside any region: kept until its backward ran
-            if s not in g.fixed_storages and g.bw_end[f] > last.get(s, -1):
-                last[s] = g.bw_end[f]
+    # 1. Original instances: the node index after which each storage is freed (-1: none).
+    last = _original_ends(g, regs)
 
     # 2. Regions: inputs held by the (outermost) frame; selective saves held until the replay;
     # each region's replay, a parent's before its children's.
     replay_at: dict[int, list[int]] = {}
-    replay_ops: dict[int, list[tuple[int, list[int], list[int]]]] = {}
+    replay_ops: dict[int, _Replay] = {}
     held: dict[int, int] = {}  # replay copies kept for backward: storage -> node index it dies at
     replay_freed: set[int] = set()  # originals (selective saves) that die inside a replay
 
@@ -300,71 +278,42 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                 t = max(t, keep_for(s, d))
         return t
 
+    sigs: dict[int, tuple] = {}
+
+    def sig(k: int) -> tuple:
+        """Region k's span and, recursively, those of the regions nested in it."""
+        if k not in sigs:
+            r = regs[k]
+            sigs[k] = (r.nodes[0], r.nodes[-1], tuple(sig(c) for c in r.children))
+        return sigs[k]
+
     recompute_ms = 0.0
     for k, r in enumerate(regs):
         replay_at.setdefault(r.trigger, []).append(k)
-        # checkpoint's own host cost: per region, and per tensor it packs (ProfileMeta)
-        recompute_ms += g.region_ms + g.saved_tensor_ms * sum(len(g.saves[i]) for i in r.own)
         if r.saved:
             recompute_ms += g.selective_op_ms * len(r.nodes)
         if r.parent < 0:  # the outermost frame keeps the region's inputs until its backward
             for s in r.inputs:
-                if r.bw_end > last.get(s, -1):
+                if r.bw_end > last[s]:
                     last[s] = r.bw_end
         for s in r.holds:  # reached through the region's arguments, which the frame keeps
-            if s not in g.fixed_storages and r.bw_end > last.get(s, -1):
+            if s not in g.fixed_storages and r.bw_end > last[s]:
                 last[s] = r.bw_end
-        hold: dict[int, int] = {}  # storages this replay keeps for backward, until when
-        for i in r.own:
-            for s in g.saves[i]:
-                if s in r.produced and i in g.bw_end:
-                    hold[s] = max(hold.get(s, -1), g.bw_end[i])
-        for c in r.children:  # a child's inputs made here: kept until the child has them
-            for s in handed(c) & r.produced:
-                hold[s] = max(hold.get(s, -1), keep_for(s, c))
-        ran = [i for i in r.nodes if i <= r.early_stop]
-        read_pos: dict[int, int] = {}
-        for pos, i in enumerate(ran):
-            for s in g.reads[i]:
-                if s in r.produced:
-                    read_pos[s] = pos
-        # The replay runs the module's own code: what it holds past the last reader lives until
-        # it is dropped there too, or until the early stop unwinds the replay.
-        for s in r.produced:
-            rel = g.release.get(s)
-            if rel is not None:
-                pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else len(ran) - 1
-                if pos > read_pos.get(s, -1):
-                    read_pos[s] = pos
-        frees: dict[int, list[int]] = {}
-        ops = []
-        for pos, i in enumerate(ran):
-            if i in r.saved:
-                # Selective saves are cached from forward; the replay consumes the cache entry, so
-                # an output no backward op needs dies after its last replayed reader.
-                for s in g.new[i]:
-                    if s in hold:
-                        last[s] = max(last.get(s, -1), hold[s])
-                    elif last.get(s, -1) < r.trigger:
-                        last.pop(s, None)
-                        replay_freed.add(s)
-                        frees.setdefault(read_pos.get(s, pos), []).append(s)
-                ops.append((i, []))
-                continue
-            recompute_ms += g.time[i]
-            ops.append((i, g.new[i]))
-            for s in g.new[i]:
-                if s in hold:
-                    held[s] = hold[s]
-                else:
-                    frees.setdefault(read_pos.get(s, pos), []).append(s)
-        replay_ops[k] = [(i, alloc, frees.get(pos, [])) for pos, (i, alloc) in enumerate(ops)]
-        for i in r.saved:
-            # Never replayed (after the early stop): nothing consumes its cache entry, which the
-            # checkpoint frame holds until the region's backward is done.
-            if i > r.early_stop:
-                for s in g.new[i]:
-                    last[s] = max(last.get(s, -1), hold.get(s, r.bw_end))
+        if not r.saved:
+            # A region's replay depends only on its span and the regions nested in it (the
+            # same in many schedules): computed once per profile.
+            key = sig(k)
+            rep = g.replays.get(key)
+            if rep is None:
+                if len(g.replays) >= MEMO_SIZE:
+                    g.replays.clear()
+                rep = g.replays[key] = _replay(g, r, (handed, keep_for), None, None)
+        else:
+            rep = _replay(g, r, (handed, keep_for), last, replay_freed)
+        replay_ops[k] = rep
+        held.update(rep.held)
+        # the replayed ops, and checkpoint's own host cost: per region, per tensor it packs
+        recompute_ms += rep.recompute_ms + g.region_ms + g.saved_tensor_ms * rep.packs
     for at_node in replay_at.values():
         at_node.sort(key=lambda k: regs[k].depth)  # a parent replays before its children
 
@@ -377,10 +326,15 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                 extra_alloc[a] = extra_alloc.get(a, 0) + g.rng_state_bytes
                 extra_free[r.bw_end] = extra_free.get(r.bw_end, 0) + g.rng_state_bytes
 
-    # 3. Sweep the timeline.
+    if not timeline:
+        return _sweep(g, last, held, replay_at, replay_ops, replay_freed, extra_alloc,
+                      extra_free, recompute_ms)
+
+    # 3. Sweep the timeline, op by op (`_sweep` computes the same without the timeline).
     free_orig: dict[int, list[int]] = {}
-    for s, t in last.items():
-        free_orig.setdefault(t, []).append(s)
+    for s, t in enumerate(last):
+        if t >= 0:
+            free_orig.setdefault(t, []).append(s)
     free_held: dict[int, list[int]] = {}
     for s, t in held.items():
         free_held.setdefault(t, []).append(s)
@@ -396,7 +350,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         if g.phase[i] in FIXED_PHASES:
             continue
         for k in replay_at.get(i, ()):
-            for j, alloc, fr in replay_ops[k]:
+            for j, alloc, fr in replay_ops[k].ops:
                 for s in alloc:
                     mem += sb[s]
                     if timeline:
@@ -432,7 +386,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                 del live[s]
         mem -= extra_free.get(i, 0)
         for s in g.new[i]:
-            if s not in last and s not in replay_freed:  # nobody reads it: freed at once
+            if last[s] < 0 and s not in replay_freed:  # nobody reads it: freed at once
                 mem -= sb[s]
                 if timeline:
                     live.pop(s, None)
@@ -457,6 +411,193 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         peak_live=snap[0],
         peak_workspace_bytes=snap[1],
     )
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """What one region's replay runs: (op, storages it allocates, storages freed after it),
+    the replay copies kept for backward (storage -> node index they die at), the replayed ops'
+    time, and the same ops as arrays for `_sweep` (bytes allocated, freed, workspace, op)."""
+
+    ops: list[tuple[int, list[int], list[int]]]
+    held: dict[int, int]
+    recompute_ms: float
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    packs: int
+    """Tensors the region's own ops save (checkpoint packs each one)."""
+
+
+def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int] | None,
+            replay_freed: set[int] | None) -> _Replay:
+    """The replay of region `r`. A selective region (saved nodes) also updates `last` and
+    `replay_freed` for its cached outputs; a region with children keeps each child's inputs
+    (`nested`: `_simulate`'s ``handed`` and ``keep_for``) as long as the child needs them."""
+    hold: dict[int, int] = {}  # storages this replay keeps for backward, until when
+    for i in r.own:
+        for s in g.saves[i]:
+            if s in r.produced and i in g.bw_end:
+                hold[s] = max(hold.get(s, -1), g.bw_end[i])
+    if nested is not None:
+        handed, keep_for = nested
+        for c in r.children:  # a child's inputs made here: kept until the child has them
+            for s in handed(c) & r.produced:
+                hold[s] = max(hold.get(s, -1), keep_for(s, c))
+    ran = [i for i in r.nodes if i <= r.early_stop]
+    read_pos: dict[int, int] = {}
+    for pos, i in enumerate(ran):
+        for s in g.reads[i]:
+            if s in r.produced:
+                read_pos[s] = pos
+    # The replay runs the module's own code: what it holds past the last reader lives until
+    # it is dropped there too, or until the early stop unwinds the replay.
+    for s in r.produced:
+        rel = g.release.get(s)
+        if rel is not None:
+            pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else len(ran) - 1
+            if pos > read_pos.get(s, -1):
+                read_pos[s] = pos
+    frees: dict[int, list[int]] = {}
+    ops = []
+    held: dict[int, int] = {}
+    recompute_ms = 0.0
+    for pos, i in enumerate(ran):
+        if i in r.saved:
+            # Selective saves are cached from forward; the replay consumes the cache entry, so
+            # an output no backward op needs dies after its last replayed reader.
+            assert last is not None and replay_freed is not None
+            for s in g.new[i]:
+                if s in hold:
+                    last[s] = max(last[s], hold[s])
+                elif last[s] < r.trigger:
+                    last[s] = -1
+                    replay_freed.add(s)
+                    frees.setdefault(read_pos.get(s, pos), []).append(s)
+            ops.append((i, []))
+            continue
+        recompute_ms += g.time[i]
+        ops.append((i, g.new[i]))
+        for s in g.new[i]:
+            if s in hold:
+                held[s] = hold[s]
+            else:
+                frees.setdefault(read_pos.get(s, pos), []).append(s)
+    out = [(i, alloc, frees.get(pos, [])) for pos, (i, alloc) in enumerate(ops)]
+    if r.saved:
+        assert last is not None
+        for i in r.saved:
+            # Never replayed (after the early stop): nothing consumes its cache entry, which the
+            # checkpoint frame holds until the region's backward is done.
+            if i > r.early_stop:
+                for s in g.new[i]:
+                    last[s] = max(last[s], hold.get(s, r.bw_end))
+    a = g.arrays()
+    idx = np.asarray(ran, dtype=np.int64)
+    plus = a.alloc[idx]
+    if r.saved:
+        plus[[pos for pos, i in enumerate(ran) if i in r.saved]] = 0  # cached, not replayed
+    minus = np.zeros(len(ran), dtype=np.int64)
+    for pos, fr in frees.items():
+        minus[pos] = sum(g.sbytes[s] for s in fr)
+    return _Replay(out, held, recompute_ms, (plus, minus, a.ws[idx], -1 - idx),
+                   sum(len(g.saves[i]) for i in r.own))
+
+
+def _original_ends(g, regs: list[_Reg]) -> list[int]:
+    """For every storage, the node index after which its original instance is freed (-1: no
+    rule keeps it, `g.end`: the end of the step), before the regions' own rules; vectorized over
+    the profile's (reader, storage) and (saver, storage) pairs (`GraphIndex.arrays`)."""
+    a = g.arrays()
+    region_node = np.full(g.n, -1, dtype=np.int64)
+    produced_in = np.full(len(g.sbytes), -1, dtype=np.int64)
+    for k, r in enumerate(regs):
+        if r.parent < 0:
+            region_node[r.nodes] = k
+            if r.produced:
+                produced_in[list(r.produced)] = k
+    last = np.full(len(g.sbytes), -1, dtype=np.int64)
+    # The last reader; a backward op reads the replay's copy of what its outermost region made.
+    k = np.where(a.read_gradof >= 0, region_node[a.read_gradof], -1)
+    keep = ~((k >= 0) & (k == produced_in[a.read_storage]))
+    np.maximum.at(last, a.read_storage[keep], a.read_node[keep])
+    # Held by the model's code beyond its last reader.
+    np.maximum(last, a.release, out=last)
+    last[a.persist] = g.end  # the loss and parameter gradients
+    # A backward formula runs in C++: temporaries it creates live until the formula returns, so
+    # storages made by one autograd node's backward die no earlier than its last op.
+    np.maximum(last, np.where(last >= 0, a.formula_end, -1), out=last)
+    # Saved by an op outside any region: kept until its backward ran.
+    out = region_node[a.save_node] < 0
+    np.maximum.at(last, a.save_storage[out], a.save_end[out])
+    return last.tolist()
+
+
+def _sweep(g, last: list[int], held: dict[int, int], replay_at: dict[int, list[int]],
+           replay_ops: dict[int, _Replay],
+           replay_freed: set[int], extra_alloc: dict[int, int], extra_free: dict[int, int],
+           recompute_ms: float) -> Simulation:
+    """The peak of the step as `_simulate`'s op-by-op sweep finds it, with arrays: every step
+    (a replayed op, or an op of the step) allocates, is checked against the peak with its
+    workspace, then frees."""
+    a = g.arrays()
+    sb = a.sbytes
+    last_a = np.asarray(last, dtype=np.int64)
+    frees = np.zeros(g.n + 1, dtype=np.int64)  # index g.n: the end of the step (never freed)
+    live = last_a >= 0
+    np.add.at(frees, last_a[live], sb[live])
+    if held:
+        np.add.at(frees, np.fromiter(held.values(), np.int64, len(held)),
+                  sb[np.fromiter(held.keys(), np.int64, len(held))])
+    once = (last_a < 0) & (a.maker >= 0)  # nobody reads it: freed after the op that made it
+    if replay_freed:
+        once[list(replay_freed)] = False
+    np.add.at(frees, a.maker[once], sb[once])
+    plus = a.alloc.copy()
+    for i, b in extra_alloc.items():
+        plus[i] += b
+    for i, b in extra_free.items():
+        frees[i] += b
+    frees = frees[:g.n]
+    frees[a.is_fixed] = 0  # placeholders are fixed memory, counted apart
+    # Steps in order: at each trigger, the replays (a parent's first), then the op itself.
+    parts_plus, parts_free, parts_ws, parts_id = [], [], [], []
+    prev = 0
+    for t in sorted(replay_at):
+        parts_plus.append(plus[prev:t])
+        parts_free.append(frees[prev:t])
+        parts_ws.append(a.ws[prev:t])
+        parts_id.append(np.arange(prev, t))
+        for k in replay_at[t]:  # ids -1 - j: a replay of node j
+            rp, rf, rw, ri = replay_ops[k].arrays
+            parts_plus.append(rp)
+            parts_free.append(rf)
+            parts_ws.append(rw)
+            parts_id.append(ri)
+        prev = t
+    parts_plus.append(plus[prev:])
+    parts_free.append(frees[prev:])
+    parts_ws.append(a.ws[prev:])
+    parts_id.append(np.arange(prev, g.n))
+    p_ = np.concatenate(parts_plus)
+    f_ = np.concatenate(parts_free)
+    w_ = np.concatenate(parts_ws)
+    ids = np.concatenate(parts_id)
+    after = np.cumsum(p_ - f_)
+    cand = after + f_ + w_  # live after allocating, plus the op's workspace
+    cand[(ids >= 0) & a.is_fixed[np.maximum(ids, 0)]] = np.iinfo(np.int64).min  # placeholders
+    peak, peak_at = 0, ""
+    if len(cand):
+        at = int(np.argmax(cand))
+        if cand[at] > 0:
+            peak = int(cand[at])
+            j = int(ids[at])
+            peak_at = g.names[j] if j >= 0 else f"replay:{g.names[-1 - j]}"
+    mem = int(after[-1]) if len(after) else 0
+    at_fwd_end = np.flatnonzero(ids == g.fwd_end) if g.fwd_end >= 0 else ()
+    after_forward = int(after[at_fwd_end[0]]) if len(at_fwd_end) else 0
+    if g.has_optimizer and mem + g.optimizer_step_bytes > peak:
+        peak, peak_at = mem + g.optimizer_step_bytes, "optimizer.step"
+    return Simulation(peak_bytes=peak + g.fixed_bytes, recompute_ms=recompute_ms,
+                      peak_at=peak_at, after_forward_bytes=after_forward)
 
 
 def peak_breakdown(p: Profile, schedule: Schedule | tuple[Region, ...] = (),
