@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from planner.capture.record import default_loss, end_of_autocast, split_inputs
 
-__all__ = ["Measurement", "ddp_bucket_bytes", "fixed_bytes", "measure"]
+__all__ = ["Measurement", "ddp_bucket_bytes", "fixed_bytes", "measure", "peak_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +201,12 @@ def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp) -> tuple[int, in
             best = ((end, peak), peak, retained)
     assert best is not None
     return best[1], best[2]
+
+
+def peak_of(prof: Any) -> int:
+    """The peak, above where it started, of what a `torch.profiler` run with
+    ``profile_memory=True`` allocated."""
+    return _peak_and_retained(prof, "")[0]
 
 
 def _peak_and_retained(prof: Any, mark: str, ends: bool = False):

@@ -97,14 +97,26 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or "cpu"
 
 
-def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
-    """(state bytes held between steps, transient bytes of one step) for a known optimizer."""
+ADAM_FAMILY = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer | None, *,
+                    on_gpu: bool | None = None) -> tuple[int, int]:
+    """(state bytes held between steps, transient bytes of one step) for a known optimizer.
+
+    The transient depends on the implementation the step runs (measured on CPU with profiler
+    memory events): ``fused=True`` allocates nothing beyond its state; ``foreach`` (torch's
+    default where every parameter is on a GPU) one temporary per parameter of a group at once,
+    the group's bytes; the for-loop (the default elsewhere) two temporaries of one parameter at
+    a time (Adam). `on_gpu` says where the step will run (estimate mode: the target device);
+    None: where the parameters are.
+    """
     if optimizer is None:
         return 0, 0
     trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     pbytes = sum(p.numel() * p.element_size() for p in trainable)
     name = type(optimizer).__name__
-    if name in ("Adam", "AdamW", "NAdam", "RAdam", "Adamax"):
+    if name in ADAM_FAMILY:
         # exp_avg and exp_avg_sq, each like the parameter (Kingma & Ba 2015); `step` is a scalar.
         state = 2 * pbytes
     elif name == "SGD":
@@ -116,14 +128,19 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
             f"optimizer {name} is not modelled; supported: Adam, AdamW, NAdam, RAdam, Adamax, "
             "SGD, Adagrad, RMSprop (or pass optimizer=None and add its state to the budget)"
         )
-    # The foreach implementations allocate temporaries for a whole parameter group at once (Adam:
-    # the denominator sqrt(exp_avg_sq) + eps, one tensor per parameter); we take the largest
-    # group's parameter bytes as the transient.
-    step = max(
-        (sum(p.numel() * p.element_size() for p in g["params"] if p.requires_grad)
-         for g in optimizer.param_groups),
-        default=0,
-    )
+    if on_gpu is None:
+        on_gpu = bool(trainable) and all(p.device.type in ("cuda", "xpu") for p in trainable)
+    step = 0
+    for g in optimizer.param_groups:
+        params = [p for p in g["params"] if p.requires_grad]
+        if not params or g.get("fused"):
+            continue
+        sizes = [p.numel() * p.element_size() for p in params]
+        foreach = g.get("foreach")
+        if foreach if foreach is not None else on_gpu:
+            step = max(step, sum(sizes))
+        else:
+            step = max(step, (2 if name in ADAM_FAMILY else 1) * max(sizes))
     return state, step
 
 
@@ -194,7 +211,9 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
              progress) -> Profile:
     say = _Progress(progress)
     dtype = dominant_dtype(model)
-    opt_state, opt_step = optimizer_bytes(optimizer)
+    target = device if isinstance(device, DeviceSpec) else get_device(device or "h100")
+    opt_state, opt_step = optimizer_bytes(
+        optimizer, on_gpu=target.kind != "cpu" if mode == "estimate" else None)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     model_class = f"{type(model).__module__}.{type(model).__qualname__}"
     if mode == "estimate":

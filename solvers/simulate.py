@@ -23,6 +23,11 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   stop unwinds the replay. A cached (saved) output is consumed by the replay and dies after its
   last replayed reader unless a backward op needs it; one after the early stop is never consumed
   and lives in the frame's cache until the region's backward is done.
+- A region with random ops stashes the CPU RNG state (`preserve_rng_state`) from its forward to
+  its backward, and `fork_rng` keeps another copy for the whole of its replay. A region nested in
+  a replayed one runs its checkpoint again inside the replay: the new frame (its own RNG state,
+  and the tensors its keyword arguments reach, bound in its function) lives until the replay
+  returns. (The RNG state is host memory on a GPU, counted on CPU only.)
 - With an optimizer, the step ends with its update: parameters, gradients, optimizer state and the
   optimizer's transient memory.
 
@@ -287,6 +292,20 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
             sigs[k] = (r.nodes[0], r.nodes[-1], tuple(sig(c) for c in r.children))
         return sigs[k]
 
+    def random(k: int) -> bool:
+        return any(g.random[i] for i in regs[k].nodes)
+
+    def calls_in(k: int) -> tuple[bool, list[tuple[int, bool, tuple[int, ...]]]]:
+        """Whether region k's replay stashes the CPU RNG state (`fork_rng`), and the regions
+        nested in it at any depth, each as (first node, random, storages its keyword arguments
+        reach): their checkpoint calls run again inside k's replay."""
+        out, todo = [], list(regs[k].children)
+        while todo:
+            d = todo.pop()
+            todo.extend(regs[d].children)
+            out.append((regs[d].nodes[0], random(d), regs[d].holds))
+        return random(k), sorted(out)
+
     recompute_ms = 0.0
     for k, r in enumerate(regs):
         replay_at.setdefault(r.trigger, []).append(k)
@@ -307,9 +326,10 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
             if rep is None:
                 if len(g.replays) >= MEMO_SIZE:
                     g.replays.clear()
-                rep = g.replays[key] = _replay(g, r, (handed, keep_for), None, None)
+                rep = g.replays[key] = _replay(g, r, (handed, keep_for), None, None,
+                                               calls_in(k))
         else:
-            rep = _replay(g, r, (handed, keep_for), last, replay_freed)
+            rep = _replay(g, r, (handed, keep_for), last, replay_freed, calls_in(k))
         replay_ops[k] = rep
         held.update(rep.held)
         # the replayed ops, and checkpoint's own host cost: per region, per tensor it packs
@@ -320,8 +340,8 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     extra_alloc: dict[int, int] = {}
     extra_free: dict[int, int] = {}
     if g.rng_state_bytes:
-        for r in regs:
-            if any(g.random[i] for i in r.nodes):
+        for k, r in enumerate(regs):
+            if random(k):
                 a = r.nodes[0]
                 extra_alloc[a] = extra_alloc.get(a, 0) + g.rng_state_bytes
                 extra_free[r.bw_end] = extra_free.get(r.bw_end, 0) + g.rng_state_bytes
@@ -350,7 +370,12 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         if g.phase[i] in FIXED_PHASES:
             continue
         for k in replay_at.get(i, ()):
-            for j, alloc, fr in replay_ops[k].ops:
+            rep = replay_ops[k]
+            extra: dict[int, int] = {}
+            for pos, b in rep.extra:
+                extra[pos] = extra.get(pos, 0) + b
+            for pos, (j, alloc, fr) in enumerate(rep.ops):
+                mem += extra.get(pos, 0)
                 for s in alloc:
                     mem += sb[s]
                     if timeline:
@@ -365,6 +390,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                     mem -= sb[s]
                     if timeline:
                         live.pop(s, None)
+            mem -= sum(b for _, b in rep.extra)
         for s in g.new[i]:
             mem += sb[s]
             if timeline:
@@ -425,13 +451,26 @@ class _Replay:
     arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     packs: int
     """Tensors the region's own ops save (checkpoint packs each one)."""
+    extra: tuple[tuple[int, int], ...] = ()
+    """(position, bytes) of host state allocated at that op and freed after the last one."""
 
 
 def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int] | None,
-            replay_freed: set[int] | None) -> _Replay:
+            replay_freed: set[int] | None,
+            calls: tuple[bool, list[tuple[int, bool, tuple[int, ...]]]] = (False, [])
+            ) -> _Replay:
     """The replay of region `r`. A selective region (saved nodes) also updates `last` and
     `replay_freed` for its cached outputs; a region with children keeps each child's inputs
-    (`nested`: `_simulate`'s ``handed`` and ``keep_for``) as long as the child needs them."""
+    (`nested`: `_simulate`'s ``handed`` and ``keep_for``) as long as the child needs them.
+
+    `calls` (`_simulate`'s ``calls_in``): whether the replay stashes the RNG state, and the
+    regions nested in `r`. A nested region whose call starts in the replay runs its checkpoint
+    again, making a new frame that lives until the replay returns (the replay's autograd graph
+    holds it): the frame keeps the call's keyword arguments (bound in its function) and, for a
+    random region, a copy of the CPU RNG state, as `fork_rng` keeps one for the whole replay of
+    a random region. A nested call starting right after the early stop stashes its copy and
+    unwinds at once.
+    """
     hold: dict[int, int] = {}  # storages this replay keeps for backward, until when
     for i in r.own:
         for s in g.saves[i]:
@@ -448,6 +487,18 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
         for s in g.reads[i]:
             if s in r.produced:
                 read_pos[s] = pos
+    random, nested_calls = calls
+    rng = g.rng_state_bytes
+    extra: list[tuple[int, int]] = []  # (position, bytes): RNG states, freed as the replay ends
+    if ran and rng and random:
+        extra.append((0, rng))
+    for first, rand, kw in nested_calls:
+        if ran and first <= r.early_stop:
+            for s in kw:  # bound in the new frame's function until the replay returns
+                if s in r.produced:
+                    read_pos[s] = len(ran) - 1
+        if ran and rand and rng and first <= r.early_stop + 1:
+            extra.append((min(bisect.bisect_left(ran, first), len(ran) - 1), rng))
     # The replay runs the module's own code: what it holds past the last reader lives until
     # it is dropped there too, or until the early stop unwinds the replay.
     for s in r.produced:
@@ -498,8 +549,11 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     minus = np.zeros(len(ran), dtype=np.int64)
     for pos, fr in frees.items():
         minus[pos] = sum(g.sbytes[s] for s in fr)
+    for pos, b in extra:
+        plus[pos] += b
+        minus[-1] += b
     return _Replay(out, held, recompute_ms, (plus, minus, a.ws[idx], -1 - idx),
-                   sum(len(g.saves[i]) for i in r.own))
+                   sum(len(g.saves[i]) for i in r.own), tuple(extra))
 
 
 def _original_ends(g, regs: list[_Reg]) -> list[int]:

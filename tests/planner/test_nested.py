@@ -132,3 +132,36 @@ def test_infeasible_budget_names_what_dominates_and_what_would_help():
     top = peak_breakdown(prof, lowest(prof))[0][0]
     assert top in msg
     assert "smaller micro-batch" in msg
+
+
+@pytest.mark.parametrize("inner", [
+    (),
+    ("self_attn.k_proj",),
+    ("self_attn", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn", "self_attn.q_proj", "mlp"),
+])
+def test_nested_calls_rerun_in_a_replay_keep_their_frames(inner):
+    """A decoder layer of a LoRA Llama (dropout in every adapter, keyword arguments between the
+    layer and its attention) checkpointed with regions nested in it. Its replay stashes the RNG
+    state for the whole replay, and runs every nested checkpoint again: each makes a new frame,
+    with its own RNG state and its keyword arguments, that lives until the replay returns. The
+    prediction must match the measured peak to the byte counts of those frames (within the few
+    scalars no profile records)."""
+    case = CASES["peft_lora_llama"]()
+    model, x = case.model, case.inputs
+    prof = planner.profile(model, x, loss_fn=case.loss_fn, repeats=1)
+    layer = "base_model.model.model.layers.1"
+    by_module = {s.call.module: s for s in useful_calls(prof)}
+    spans = sorted((by_module[m] for m in [layer, *(f"{layer}.{i}" for i in inner)]),
+                   key=lambda s: (s.a, -s.b))
+    sched = Schedule(regions=bind(prof, tuple(region(prof, s.a, s.b) for s in spans)))
+    assert all(r.preserve_rng for r in sched.regions)
+    predicted = simulate(prof, sched).peak_bytes
+    unplanned = measure(model, x, case.loss_fn, repeats=1).peak_bytes
+    apply_schedule(model, sched)
+    try:
+        measured = measure(model, x, case.loss_fn, repeats=1).peak_bytes
+    finally:
+        remove(model)
+    assert measured < unplanned
+    assert abs(predicted - measured) <= 1024, (predicted, measured)
