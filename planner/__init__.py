@@ -22,11 +22,12 @@ if TYPE_CHECKING:
         remove,
     )
     from planner.capture.record import ModelRunError
-    from planner.comparison import CompareResult, compare
+    from planner.comparison import CompareOptions, CompareResult, compare
     from planner.measurement import Measurement, measure
     from planner.profiling import profile
 
 __all__ = [
+    "CompareOptions",
     "CompareResult",
     "InfeasibleBudgetError",
     "Measurement",
@@ -57,6 +58,7 @@ _LAZY = {
     "measure": "planner.measurement",
     "Measurement": "planner.measurement",
     "compare": "planner.comparison",
+    "CompareOptions": "planner.comparison",
     "CompareResult": "planner.comparison",
 }
 

@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation-budget fractions for our sweep (default 0.75,0.5,0.3)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="round-robin rounds over all strategies (default 3)")
-    parser.add_argument("--compile-budgets", type=_floats, default=(0.8, 0.5, 0.2, 0.0),
-                        help="torch.compile activation_memory_budget values")
+    parser.add_argument("--compile-budgets", type=_floats, default=(1.0, 0.8, 0.5, 0.2, 0.0),
+                        help="torch.compile activation_memory_budget values (1: the backend "
+                             "without extra recomputation, the reference of the compiled rows)")
     parser.add_argument("--compile-backend", type=_names, default=("aot_eager",),
                         help="torch.compile backend(s), comma-separated: aot_eager (default), "
                              "inductor (needs a C++ compiler on CPU), or aot_eager,inductor")
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except SpecError as e:
         print(f"ckpt-planner compare: {e}", file=sys.stderr)
         return 2
-    from planner.comparison import compare, host_allocator  # imports torch
+    from planner.comparison import CompareOptions, compare, host_allocator  # imports torch
 
     if host_allocator() == "glibc":
         print("ckpt-planner compare: this process allocates with glibc's malloc, which returns "
@@ -71,17 +72,16 @@ def run(args: argparse.Namespace) -> int:
               "jemalloc, e.g. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 "
               "(Debian: apt install libtcmalloc-minimal4).", file=sys.stderr)
     model.train()
-    res = compare(
-        model, example_inputs,
+    options = CompareOptions(
         fractions=args.fractions,
         repeats=max(1, args.repeats),
         compile_budgets=args.compile_budgets,
         include_compile=not args.no_compile,
         compile_backend=args.compile_backend,
         graph=args.graph,
-        progress=True,
-        name=args.name or args.spec.partition(":")[2] or None,
     )
+    res = compare(model, example_inputs, options=options, progress=True,
+                  name=args.name or args.spec.partition(":")[2] or None)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(res.table() + "\n\n" + res.checks_text() + "\n")

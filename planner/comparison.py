@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from solvers.profile import Profile
 from solvers.schedule import Schedule
 from solvers.solve import BASELINES, applicable, smallest_peak, solve
 
-__all__ = ["CompareResult", "Row", "compare"]
+__all__ = ["CompareOptions", "CompareResult", "Row", "compare"]
 
 MiB = 2**20
 _BUDGET_DEPENDENT = ("chen_greedy", "every_k")
@@ -492,24 +492,50 @@ def _solve_with_slack(prof: Profile, budget: int, time_limit_s: float | None) ->
     return s
 
 
+@dataclass(frozen=True, kw_only=True)
+class CompareOptions:
+    """What `compare` measures and how often: the options that travel together from the CLI,
+    the notebooks and the benchmarks to one `compare` call."""
+
+    fractions: tuple[float, ...] = (0.75, 0.5, 0.3)
+    """Activation-budget fractions for our sweep: budget = F + f * (N - F), where F is fixed
+    memory and N the measured peak without checkpointing."""
+    repeats: int = 3
+    """Round-robin rounds; every round measures every strategy once."""
+    inner_repeats: int = 2
+    """Timed steps per strategy and round, after one warm-up step."""
+    profile_repeats: int = 2
+    """Timed repeats per op when profiling the model (`planner.profile`'s ``repeats``)."""
+    time_limit_s: float | None = 30.0
+    """Seconds per solve of ours (``auto`` runs every solver, the ILP included)."""
+    iso: bool = True
+    """Also plan ours at each baseline's measured peak (iso-memory)."""
+    graph: bool = False
+    """Also trace the model with make_fx (`planner.graph`, where it traces) and measure its
+    op-granular plans at the same fractions (rows ``graph@f``), and the baselines whose segments
+    span several modules, which cannot be applied in place."""
+    include_compile: bool = True
+    """Measure the torch.compile entries at all."""
+    compile_budgets: tuple[float, ...] = (1.0, 0.8, 0.5, 0.2, 0.0)
+    """Values of ``torch._functorch.config.activation_memory_budget`` (1.0: the backend without
+    extra recomputation, the reference for compiled rows)."""
+    compile_backend: str | tuple[str, ...] = "aot_eager"
+    """``aot_eager``, ``inductor`` (needs a C++ compiler on CPU), or several, each measured at
+    every budget; aot_eager rows are named ``compile(b)``, other backends' ``<backend>(b)``."""
+    eager_attention: bool | None = None
+    """Evaluate the eager-attention target; None detects it from the profile (softmax and
+    batched matmuls, no SDPA)."""
+
+
 def compare(
     model: torch.nn.Module,
     example_inputs: Any,
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    fractions: Sequence[float] = (0.75, 0.5, 0.3),
-    repeats: int = 3,
-    compile_budgets: Sequence[float] = (1.0, 0.8, 0.5, 0.2, 0.0),
-    include_compile: bool = True,
-    compile_backend: str | Sequence[str] = "aot_eager",
-    eager_attention: bool | None = None,
-    iso: bool = True,
-    graph: bool = False,
-    inner_repeats: int = 2,
-    time_limit_s: float | None = 30.0,
-    profile_repeats: int = 2,
+    options: CompareOptions | None = None,
     progress: bool = False,
     name: str | None = None,
+    **overrides: Any,
 ) -> CompareResult:
     """Measure no checkpointing, the baselines, torch.compile's activation budget and our plans.
 
@@ -519,24 +545,24 @@ def compare(
     Args:
         model: an eager model in training mode, with no plan applied.
         example_inputs: a tensor, a tuple of positional args or a dict of kwargs.
-        fractions: activation-budget fractions for our sweep: budget = F + f * (N - F).
-        repeats: round-robin rounds; every round measures every strategy once
-            (`inner_repeats` timed steps each, after one warm-up step).
-        compile_budgets: values of ``torch._functorch.config.activation_memory_budget`` (1.0:
-            the backend without extra recomputation, the reference for compiled rows).
-        include_compile: measure the torch.compile entries at all.
-        compile_backend: ``aot_eager`` (default), ``inductor`` (needs a C++ compiler on CPU), or
-            a sequence of backends, each measured at every budget. aot_eager rows are named
-            ``compile(b)``, other backends' ``<backend>(b)``.
-        eager_attention: evaluate the eager-attention target; None detects it from the profile
-            (softmax and batched matmuls, no SDPA).
-        iso: also plan ours at each baseline's measured peak (iso-memory).
-        graph: also trace the model with make_fx (`planner.graph`, where it traces) and measure
-            its op-granular plans at the same fractions (rows ``graph@f``), and the baselines
-            whose segments span several modules, which cannot be applied in place.
-        time_limit_s: per solve of ours (``auto`` runs every solver, the ILP included).
+        loss_fn: output -> scalar loss, as for `planner.plan`.
+        options: what to measure and how often (`CompareOptions`); any of its fields can also
+            be given as a keyword (``compare(m, x, repeats=2)``), which overrides `options`.
         progress: print progress lines to stderr.
+        name: the model's name in the table and plot (default: its class name).
     """
+    try:
+        opts = replace(options or CompareOptions(), **overrides)
+    except TypeError:
+        known = {f.name for f in fields(CompareOptions)}
+        raise TypeError(f"compare() got unknown option(s) {sorted(set(overrides) - known)}; "
+                        f"CompareOptions has {sorted(known)}") from None
+    fractions, repeats, inner_repeats = opts.fractions, opts.repeats, opts.inner_repeats
+    profile_repeats, time_limit_s, iso, graph = (opts.profile_repeats, opts.time_limit_s,
+                                                 opts.iso, opts.graph)
+    include_compile, compile_budgets, compile_backend = (opts.include_compile,
+                                                         opts.compile_budgets, opts.compile_backend)
+    eager_attention = opts.eager_attention
     say = _Say(progress)
     name = name or type(model).__name__
     backends = (compile_backend,) if isinstance(compile_backend, str) else tuple(compile_backend)

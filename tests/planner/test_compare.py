@@ -100,3 +100,17 @@ def test_ours_with_each_backend_is_measured_and_says_whether_it_fits(result) -> 
         assert r.measured and r.regions > 0, r
         assert r.fits == (r.measured_peak_bytes <= r.budget_bytes)
         assert r.status.startswith("ok") == bool(r.fits), r
+
+
+def test_options_travel_as_one_dataclass_and_keywords_override_them() -> None:
+    import dataclasses
+
+    from planner.comparison import CompareOptions
+
+    opts = CompareOptions(repeats=1, graph=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.repeats = 2  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['repeat'\].*'repeats'"):
+        compare(torch.nn.Linear(2, 2), torch.randn(1, 2), options=opts, repeat=2)
+    with pytest.raises(TypeError):
+        CompareOptions(3)  # keyword-only  # type: ignore[misc]
