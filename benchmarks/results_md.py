@@ -121,6 +121,72 @@ def summary(results: list[CompareResult]) -> str:
     return "\n".join(lines)
 
 
+def _cell(r, budget: int | None = None) -> str:
+    if r is None:
+        return "-"
+    if not r.measured:
+        return r.status[:60]
+    over = " **over budget**" if budget is not None and r.measured_peak_bytes > budget else ""
+    return f"{r.measured_peak_bytes / MiB:.1f} MiB, {r.extra_pct:+.1f}%{over}"
+
+
+def in_place_vs_graph(results: list[CompareResult]) -> str:
+    """Issue 9's benchmark: our in-place plans against the make_fx graph plans (the previous
+    release's) at each fraction, measured in the same run."""
+    lines = ["| model | budget | in place: peak, extra | graph (make_fx): peak, extra | in place "
+             "fits where graph fits | in place no slower |", "|---|---|---|---|---|---|"]
+    for res in results:
+        for f in res.fractions:
+            budget = res.budgets[f]
+            ours = next((r for r in res.rows if r.kind == "ours_sweep" and r.fraction == f), None)
+            graph = next((r for r in res.rows if r.kind == "graph_sweep" and r.fraction == f),
+                         None)
+            ours_fits = ours is not None and ours.measured and ours.measured_peak_bytes <= budget
+            g_fits = graph is not None and graph.measured and graph.measured_peak_bytes <= budget
+            fit = "yes" if ours_fits or not g_fits else "**no**"
+            if graph is None:
+                gcell = ("no graph plan: make_fx cannot trace the model" if res.meta.get("graph")
+                         else "not measured (compare without --graph)")
+                speed = "-"
+            elif ours_fits and g_fits:
+                gcell = _cell(graph, budget)
+                speed = "yes" if ours.extra_pct <= graph.extra_pct else \
+                    f"no ({ours.extra_pct - graph.extra_pct:+.1f} points)"
+            else:
+                gcell, speed = _cell(graph, budget), "-"
+            lines.append(f"| {res.model} | {f:g}x = {budget / MiB:.1f} MiB | "
+                         f"{_cell(ours, budget)} | {gcell} | {fit} | {speed} |")
+    return "\n".join(lines)
+
+
+def compiled(results: list[CompareResult], backend: str = "inductor") -> str:
+    """Issue 10's benchmark: our plan applied, then the whole model compiled with `backend`,
+    against the backend's own activation budget; the checks are `CompareResult.checks`'."""
+    label = "compile" if backend == "aot_eager" else backend
+    lines = [f"| model | budget | ours + {backend}: peak, extra | {label}(1): extra | fastest "
+             f"fitting {label}(b) | checks |", "|---|---|---|---|---|---|"]
+    for res in results:
+        plain = res.row(f"{label}(1)")
+        checks = [c for c in res.checks() if f"ours + {backend}" in c[0]]
+        for f in res.fractions:
+            budget = res.budgets[f]
+            ours = next((r for r in res.rows if r.kind == "ours_compiled" and r.fraction == f
+                         and (r.method or "").startswith(backend)), None)
+            rivals = [r for r in res.rows if r.kind == "compile" and r.method == backend
+                      and r.measured and r.measured_peak_bytes <= budget]
+            best = min(rivals, key=lambda r: r.extra_pct) if rivals else None
+            mine = [c for c in checks if c[0].startswith(f"{f:g}x:")]
+            verdict = ", ".join(("PASS" if ok else "**FAIL**") + " " + t.split(": ", 1)[1]
+                                .replace(f"ours + {backend} ", "") for t, ok, _ in mine)
+            lines.append(
+                f"| {res.model} | {f:g}x = {budget / MiB:.1f} MiB | {_cell(ours, budget)} | "
+                f"{plain.extra_pct:+.1f}% | " if plain is not None and plain.measured else
+                f"| {res.model} | {f:g}x = {budget / MiB:.1f} MiB | {_cell(ours, budget)} | - | ")
+            lines[-1] += (f"{best.strategy} {best.extra_pct:+.1f}% | " if best else
+                          "nothing fits | ") + (verdict or "-") + " |"
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=str(ROOT / "benchmarks" / "compare"))
@@ -145,6 +211,19 @@ def main(argv: list[str] | None = None) -> int:
         step_hi=max(r.row("none").step_ms for r in results),
     )]
     parts.append("## Summary\n\n" + summary(results))
+    parts.append("## In place against the make_fx graph plans\n\n"
+                 "`ours@f` (capture by running, regions applied in place on the model's modules) "
+                 "against `graph@f` (the previous release: a make_fx trace, op-granular regions, "
+                 "the model replaced by a replay of the trace), same budget, same run.\n\n"
+                 + in_place_vs_graph(results))
+    if any(r.kind == "ours_compiled" for res in results for r in res.rows):
+        parts.append("## Our plans under torch.compile (inductor)\n\n"
+                     "`ours + inductor`: the plan applied in place, then the whole model compiled "
+                     "with `torch.compile(backend=\"inductor\")`; re-planned with the measured "
+                     "overshoot kept free where the compiled regions keep more than predicted "
+                     "(`plan(..., compile=\"inductor\")`). Extra time is against eager `none`; "
+                     "`inductor(1)` is inductor without extra recomputation.\n\n"
+                     + compiled(results))
     notes = Path(args.notes)
     if notes.exists():
         parts.append(notes.read_text().strip())

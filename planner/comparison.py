@@ -408,6 +408,16 @@ def _style_key(r: Row) -> str:
     return r.kind
 
 
+def _raise_recompile_limit(n: int, restore: dict[str, int]) -> None:
+    """Let dynamo compile the same code `n` times (kept in `restore`, the values to put back)."""
+    import torch._dynamo.config as dc
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dc, name) and getattr(dc, name) < n:
+            restore.setdefault(name, getattr(dc, name))
+            setattr(dc, name, n)
+
+
 def _eager_attention(profile: Profile) -> bool:
     """A transformer with eager attention: softmax and batched matmuls in forward, no SDPA."""
     ops = {n.op for n in profile.nodes if n.phase == "forward"}
@@ -644,6 +654,7 @@ def compare(
             add(row, None)
 
     # torch.compile with activation_memory_budget
+    restore: dict[str, int] = {}
     if include_compile:
         _caches_off()
         import torch._functorch.config as fc
@@ -652,6 +663,9 @@ def compare(
             say("this torch has no activation_memory_budget: compile entries skipped")
         else:
             torch._dynamo.reset()
+            # Every compiled row compiles the same forward code again (another backend or
+            # budget): past dynamo's recompile limit (8) it would silently run eager.
+            _raise_recompile_limit(256, restore)
             for backend in backends:
                 for b in compile_budgets:
                     label = "compile" if backend == "aot_eager" else backend
@@ -751,7 +765,7 @@ def compare(
         # with the backend, re-planned with the measured overshoot kept free (never guessed)
         import copy
 
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        _raise_recompile_limit(256, restore)
         for backend in backends:
             for f in plan_fractions:
                 row = Row(strategy=f"ours+{backend}@{f:g}", kind="ours_compiled",
@@ -810,6 +824,8 @@ def compare(
 
     if include_compile:
         torch._dynamo.reset()
+    for name, value in restore.items():
+        setattr(torch._dynamo.config, name, value)
 
     # rows
     base = statistics.median(none.samples)
@@ -836,6 +852,7 @@ def compare(
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "inner_repeats": inner_repeats,
+        "graph": graph,
         "compile_backend": ",".join(backends) if include_compile else None,
         "profile_step_ms": prof.step_ms,
         "seconds": round(time.perf_counter() - t_start, 1),
