@@ -117,7 +117,9 @@ class Plan:
     (value-dependent shapes, MoE routing), and for what torch.compile's regions keep beyond the
     eager prediction (`plan(..., compile=...)`)."""
     compiled_peak_bytes: int | None = None
-    """With `plan(..., compile=backend)`: the measured peak of the compiled planned step."""
+    """With ``plan(..., compile=backend)``: the measured peak of the planned step compiled."""
+    compiled_backend: str | None = None
+    """The `torch.compile` backend the plan was fitted under, if any."""
     local_profile: Profile | None = None
     """Under data parallelism (`profile` is one rank's: `solvers.distributed.per_rank`), the
     profile of the step as this process runs it before DDP or FSDP wraps the model."""
@@ -190,6 +192,11 @@ class Plan:
                          f"routing): planned {format_bytes(self.margin_bytes)} below the budget, "
                          "the spread of the peak measured over other batches; replays re-route "
                          "the same tokens (torch checks the recomputed shapes)")
+        if self.compiled_backend is not None and self.compiled_peak_bytes is not None:
+            lines.append(f"under torch.compile(backend={self.compiled_backend!r}): measured "
+                         f"peak {format_bytes(self.compiled_peak_bytes)} (the peaks above are "
+                         "eager predictions; the compiled step keeps what its partitioner "
+                         "decides, measured)")
         if self.seconds:
             lines.append("planned in " + ", ".join(f"{k} {v:.2f} s"
                                                    for k, v in self.seconds.items()))
@@ -370,27 +377,76 @@ def compiled_peak(model: torch.nn.Module, example_inputs: Any, loss_fn, backend:
         torch._dynamo.reset()
 
 
+def compiled_budget(budget: int, eager_none: int, unplanned: int,
+                    try_at: Callable[[int], int | None], rounds: int) -> int | None:
+    """The eager budget to plan at so that the step, compiled, peaks within `budget`.
+
+    A compiler changes what the step keeps: inductor fuses ops and keeps less than eager, a
+    compiled region may keep more. Neither is modelled; both are measured. The search starts from
+    `budget` raised by what compiling saves on the unplanned step (`eager_none`, the eager
+    unplanned peak, less `unplanned`, the compiled one), so that a plan does not recompute what
+    the compiler already saves. Where that overshoots, the saving did not carry over to the
+    plan: the search goes on from `budget` itself, lowered by each measured overshoot. `try_at(b)`
+    plans at eager budget b, compiles, measures, and returns the compiled peak (None: no plan
+    reaches b). Returns the eager budget whose compiled plan fit, or None after `rounds` tries
+    (one more where the first is raised)."""
+    raised = budget + max(0, eager_none - unplanned)
+    b = min(raised, eager_none - 1)
+    for _ in range(rounds + (b > budget)):
+        peak = try_at(b)
+        if peak is None:
+            return None
+        if peak <= budget:
+            return b
+        b = min(b, budget) - (peak - budget) if b <= budget else budget
+    return None
+
+
 def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autocast, backend,
                   method, time_limit_s) -> Plan:
-    """Measure the compiled planned step; where it peaks above the budget less the slack,
-    re-plan with the overshoot kept free (`MARGIN_ROUNDS` at most)."""
-    margin = 0
-    local = p.local_profile
-    for _ in range(MARGIN_ROUNDS):
-        measured = compiled_peak(model, example_inputs, loss_fn, backend, autocast)
-        p.compiled_peak_bytes = measured.peak_bytes
-        over = p.rank_offset_bytes() + measured.peak_bytes - (p.budget_bytes - SLACK_BYTES)
-        if over <= 0:
-            break
-        margin += over
+    """The cheapest plan whose compiled step peaks within the budget less the slack, measured
+    (`compiled_budget`). Where the compiled model fits without a plan, no plan."""
+    # Compiled peaks are this process's step; `offset` is what a rank holds beside it.
+    budget, local, offset = p.budget_bytes, p.local_profile, p.rank_offset_bytes()
+    target = budget - SLACK_BYTES - offset
+    remove(model)
+    unplanned = compiled_peak(model, example_inputs, loss_fn, backend, autocast).peak_bytes
+    if unplanned <= target:
+        none = dataclasses.replace(solve(prof, 2**62, "none"), made_for=made_for(model, prof))
+        apply_schedule(model, none)
+        return dataclasses.replace(p, schedule=none, compiled_peak_bytes=unplanned,
+                                   compiled_backend=backend, margin_bytes=0)
+    plans: dict[int, tuple[Plan, int]] = {}
+
+    def try_at(b: int) -> int | None:
         remove(model)
-        p = plan_from_profile(model, prof, budget_bytes=p.budget_bytes, method=method,
-                              time_limit_s=time_limit_s, margin_bytes=margin)
-        p.local_profile = local
-    else:
-        p.compiled_peak_bytes = compiled_peak(model, example_inputs, loss_fn, backend,
-                                              autocast).peak_bytes
-    return p
+        try:
+            q = plan_from_profile(model, prof, budget_bytes=b + offset, method=method,
+                                  time_limit_s=time_limit_s)
+        except InfeasibleBudgetError:
+            return None
+        peak = compiled_peak(model, example_inputs, loss_fn, backend, autocast).peak_bytes
+        plans[b] = (q, peak)
+        return peak
+
+    eager_none = simulate(local if local is not None else prof).peak_bytes
+    b = compiled_budget(target, eager_none, unplanned, try_at, MARGIN_ROUNDS)
+    if b is None:
+        remove(model)
+        tried = ", ".join(f"{format_bytes(pk)} (planned for {format_bytes(k)})"
+                          for k, (_, pk) in plans.items()) or "no plan reached the budget"
+        raise InfeasibleBudgetError(
+            f"under torch.compile(backend={backend!r}) no plan fits {format_bytes(budget)}: "
+            f"measured compiled peaks {tried}; the compiled step without a plan peaks at "
+            f"{format_bytes(unplanned)}. Raise the budget, or plan without compile= and check "
+            "the compiled step yourself")
+    q, peak = plans[b]
+    if applied(model) is None or applied(model).schedule is not q.schedule:
+        remove(model)
+        apply_schedule(model, q.schedule)
+    q.budget_bytes, q.local_profile, q.compiled_peak_bytes = budget, local, peak
+    q.compiled_backend, q.margin_bytes = backend, max(0, target - b)
+    return q
 
 
 def _fsdp_sharded(model: torch.nn.Module) -> bool:
@@ -510,10 +566,11 @@ def plan(
             hold for. Where the model's shapes depend on values (MoE routing, boolean masks),
             memory changes from batch to batch: the plan keeps a margin, the spread of the
             measured peak over these batches (or, without them, over other random draws).
-        compile: the `torch.compile` backend you will train with (``"inductor"``): the planned
-            model is compiled (a copy, whole-model) and measured, and re-planned with the
-            measured overshoot kept free where the compiled regions keep more than the eager
-            prediction. Compile the model yourself after planning, as torchtitan does.
+        compile: the `torch.compile` backend you will train with (``"inductor"``). The budget
+            is then the compiled step's: copies of the model are compiled (whole-model) and
+            measured, without a plan (where that fits, no plan) and with plans for an eager
+            budget raised by what compiling saves, lowered by each measured overshoot
+            (`compiled_budget`). Compile the model yourself after planning, as torchtitan does.
         world_size: ranks of data parallelism; the budget is then one rank's, `example_inputs`
             one rank's micro-batch. Default: torch.distributed's world size where it is
             initialized, else 1. A DistributedDataParallel model is planned as DDP.

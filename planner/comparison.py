@@ -35,13 +35,14 @@ from typing import Any
 
 import torch
 
-from planner.api import SLACK_BYTES, InfeasibleBudgetError
+from planner.api import SLACK_BYTES, InfeasibleBudgetError, compiled_budget
 from planner.inplace import applied, apply_schedule, remove
 from planner.measurement import measure
 from planner.profiling import profile
 from solvers.errors import CkptPlannerError
 from solvers.profile import Profile
 from solvers.schedule import Schedule
+from solvers.simulate import simulate
 from solvers.solve import BASELINES, applicable, smallest_peak, solve
 
 __all__ = ["CompareOptions", "CompareResult", "Row", "compare"]
@@ -408,14 +409,23 @@ def _style_key(r: Row) -> str:
     return r.kind
 
 
-def _raise_recompile_limit(n: int, restore: dict[str, int]) -> None:
-    """Let dynamo compile the same code `n` times (kept in `restore`, the values to put back)."""
+RECOMPILE_LIMIT = 256
+"""Compilations of the same code `compare` allows dynamo (every compiled row compiles the
+model's forward again, for another backend or budget)."""
+
+
+def _raise_recompile_limit(restore: dict[str, Any]) -> None:
+    """Let dynamo compile the same code `RECOMPILE_LIMIT` times, and fail rather than run eager
+    past that (a row would silently measure the eager model); `restore` keeps the values to put
+    back."""
     import torch._dynamo.config as dc
 
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dc, name) and getattr(dc, name) < n:
+    want = {"recompile_limit": RECOMPILE_LIMIT, "cache_size_limit": RECOMPILE_LIMIT,
+            "fail_on_recompile_limit_hit": True}
+    for name, value in want.items():
+        if hasattr(dc, name) and getattr(dc, name) != value:
             restore.setdefault(name, getattr(dc, name))
-            setattr(dc, name, n)
+            setattr(dc, name, value)
 
 
 def _eager_attention(profile: Profile) -> bool:
@@ -654,7 +664,7 @@ def compare(
             add(row, None)
 
     # torch.compile with activation_memory_budget
-    restore: dict[str, int] = {}
+    restore: dict[str, Any] = {}
     if include_compile:
         _caches_off()
         import torch._functorch.config as fc
@@ -665,7 +675,7 @@ def compare(
             torch._dynamo.reset()
             # Every compiled row compiles the same forward code again (another backend or
             # budget): past dynamo's recompile limit (8) it would silently run eager.
-            _raise_recompile_limit(256, restore)
+            _raise_recompile_limit(restore)
             for backend in backends:
                 for b in compile_budgets:
                     label = "compile" if backend == "aot_eager" else backend
@@ -761,46 +771,61 @@ def compare(
             row.regions = len(gp.schedule.regions)
             add(row, gp.module)
     if include_compile and hasattr(torch._functorch.config, "activation_memory_budget"):
-        # ours + torch.compile: our schedule applied to a copy of the model, compiled whole-model
-        # with the backend, re-planned with the measured overshoot kept free (never guessed)
+        # ours + torch.compile: what plan(..., compile=backend) picks (`compiled_budget`):
+        # copies of the model, planned or not, compiled whole-model and measured
         import copy
 
-        _raise_recompile_limit(256, restore)
+        _raise_recompile_limit(restore)
+        eager_none = simulate(prof).peak_bytes
         for backend in backends:
+            unplanned_peak = None
             for f in plan_fractions:
                 row = Row(strategy=f"ours+{backend}@{f:g}", kind="ours_compiled",
                           budget_bytes=budgets[f], fraction=f, method=backend)
                 say(f"planning ours + {backend} at {f:g}x")
-                margin = 0
+                target = budgets[f] - SLACK_BYTES
+                tried: dict[int, tuple[Schedule, Any, int]] = {}
+
+                def try_at(b: int, backend=backend, tried=tried) -> int | None:
+                    s = _solve_with_slack(prof, b, time_limit_s)
+                    if not s.feasible:
+                        return None
+                    twin = apply_schedule(copy.deepcopy(model), s)
+                    module = torch.compile(twin, backend=backend)
+                    peak = measure(module, example_inputs, loss_fn, repeats=1).peak_bytes
+                    tried[b] = (s, module, peak)
+                    return peak
+
                 module = None
-                fitted = False
                 try:
-                    for _ in range(3):
-                        s = _solve_with_slack(prof, budgets[f] - margin, time_limit_s)
-                        if not s.feasible:
-                            least = s.min_peak_bytes or smallest_peak(prof)
+                    if unplanned_peak is None:
+                        unplanned = torch.compile(copy.deepcopy(model), backend=backend)
+                        unplanned_peak = measure(unplanned, example_inputs, loss_fn,
+                                                 repeats=1).peak_bytes
+                    if unplanned_peak <= target:  # fits compiled without a plan
+                        module = torch.compile(copy.deepcopy(model), backend=backend)
+                        row.method, row.regions = f"{backend}, none", 0
+                        row.predicted_extra_pct = 0.0
+                    else:
+                        b = compiled_budget(target, eager_none, unplanned_peak, try_at, 3)
+                        if b is not None or tried:  # the fit, or the last try, measured
+                            s, module, _ = tried[b] if b is not None else [*tried.values()][-1]
+                            row.method = f"{backend}, {s.method}"
+                            row.predicted_peak_bytes = s.predicted_peak_bytes
+                            row.predicted_extra_pct = _pred_pct(s, prof)
+                            row.regions = len(s.regions)
+                            if b is not None and b > target:
+                                saves = (eager_none - unplanned_peak) / MiB
+                                row.status = (f"ok (planned for {b / MiB:.2f} MiB eager: "
+                                              f"compiling saves {saves:.2f} MiB unplanned)")
+                        if b is None and tried:
+                            row.status = ("does not fit compiled: measured " + ", ".join(
+                                f"{pk / MiB:.2f} MiB (planned for {k / MiB:.2f})"
+                                for k, (_, _, pk) in tried.items()))
+                        elif b is None:
+                            least = smallest_peak(prof)
                             row.status = f"does not fit (smallest peak {least / MiB:.2f} MiB)"
                             row.fits = False
-                            module = None
-                            break
-                        twin = apply_schedule(copy.deepcopy(model), s)
-                        module = torch.compile(twin, backend=backend)
-                        m = measure(module, example_inputs, loss_fn, repeats=1)
-                        row.method = f"{backend}, {s.method}"
-                        row.predicted_peak_bytes = s.predicted_peak_bytes
-                        row.predicted_extra_pct = _pred_pct(s, prof)
-                        row.regions = len(s.regions)
-                        if m.peak_bytes <= budgets[f]:
-                            fitted = True
-                            break
-                        margin += m.peak_bytes - budgets[f] + SLACK_BYTES
-                    if module is not None and not fitted:
-                        row.status = (f"does not fit compiled: {m.peak_bytes / MiB:.2f} MiB "
-                                      "measured after 3 plans, each with the previous overshoot "
-                                      "kept free")
-                    elif margin:
-                        row.status = f"ok (planned {margin / MiB:.2f} MiB below the budget, the " \
-                                     "measured overshoot of the compiled step)"
                 except Exception as ex:  # noqa: BLE001 - record, do not crash
                     row.status = f"error: {type(ex).__name__}: {ex}"[:200]
                     module = None

@@ -114,3 +114,26 @@ def test_options_travel_as_one_dataclass_and_keywords_override_them() -> None:
         compare(torch.nn.Linear(2, 2), torch.randn(1, 2), options=opts, repeat=2)
     with pytest.raises(TypeError):
         CompareOptions(3)  # keyword-only  # type: ignore[misc]
+
+
+def test_compiled_rows_never_fall_back_to_eager_silently(monkeypatch) -> None:
+    """Each compiled row compiles the model's forward again; past dynamo's recompile limit it
+    would run eager and report eager figures. compare raises the limit (10 compiled rows here),
+    puts dynamo's settings back, and a row past the limit is an error, not eager figures."""
+    import torch._dynamo.config as dc
+
+    import planner.comparison as comparison
+
+    before = (dc.recompile_limit, dc.fail_on_recompile_limit_hit)
+    model, x = ln_linear_stack(batch=2, seq=4, dim=8, n=2)
+    kw = dict(fractions=(0.75,), repeats=1, inner_repeats=1, iso=False, time_limit_s=5,
+              compile_budgets=(1.0, 0.8, 0.5, 0.2, 0.0), compile_backend=("aot_eager", "eager"))
+    res = compare(model, x, **kw)
+    rows = [r for r in res.rows if r.kind == "compile"]
+    assert len(rows) == 10 and all(r.measured and r.status == "ok" for r in rows), rows
+    assert (dc.recompile_limit, dc.fail_on_recompile_limit_hit) == before
+    monkeypatch.setattr(comparison, "RECOMPILE_LIMIT", 4)
+    res = compare(model, x, **kw)
+    rows = [r for r in res.rows if r.kind == "compile"]
+    assert all(r.measured for r in rows[:4])
+    assert all(not r.measured and "error" in r.status for r in rows[4:]), rows[4:]

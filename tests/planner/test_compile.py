@@ -127,3 +127,32 @@ def test_plan_for_compile_keeps_the_compiled_step_within_budget():
     assert measure(compiled, x, loss_fn, repeats=1).peak_bytes <= budget
     planner.remove(model)
     torch._dynamo.reset()
+
+
+def test_compiled_budget_credits_what_compiling_saves_and_falls_back_to_the_budget():
+    """`compiled_budget` (pure search): a compiler that keeps 30 less than eager at every plan is
+    planned for the budget plus that saving at the first try; one whose saving vanishes once a
+    plan is applied is searched from the budget itself, lowered by each measured overshoot."""
+    from planner.api import compiled_budget
+
+    tries: list[int] = []
+
+    def saves_30(b: int) -> int:
+        tries.append(b)
+        return b - 30
+
+    assert compiled_budget(100, eager_none=200, unplanned=170, try_at=saves_30, rounds=3) == 130
+    assert tries == [130]
+
+    tries.clear()
+
+    def plateau(b: int) -> int:  # planned at b, compiled: b + 5, never below the unplanned save
+        tries.append(b)
+        return b + 5
+
+    assert compiled_budget(100, eager_none=200, unplanned=170, try_at=plateau, rounds=3) == 95
+    assert tries == [130, 100, 95]
+    tries.clear()
+    assert compiled_budget(100, eager_none=200, unplanned=170, try_at=lambda b: None,
+                           rounds=3) is None
+    assert compiled_budget(100, eager_none=200, unplanned=210, try_at=saves_30, rounds=3) == 100
