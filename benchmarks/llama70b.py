@@ -8,7 +8,8 @@ batch 1, SDPA attention, HF `LlamaForCausalLM` with labels):
 - LoRA r=16 on every attention and MLP projection, frozen base, one MI300X (192 GB), sequence
   4096 and 8192;
 - full fine-tuning under FSDP2 (`fully_shard` on each of the 80 layers and the root), per rank of
-  8 x MI300X and of 8 x H100 (80 GB), sequence 4096.
+  8 x MI300X and of 8 x H100 (80 GB), sequence 4096; on H100 with AdamW's default step on a GPU
+  (foreach: temporaries as large as a rank's parameters) and with its fused step.
 
 For each, the peak and extra time of: no checkpointing; `gradient_checkpointing_enable()` (HF's
 per-layer checkpointing, `per_block` here); uniform sqrt(N) segments (Chen et al. 2016; under FSDP
@@ -60,6 +61,8 @@ CASES = (
          shorter=("llama3_70b_lora16_seq4096",)),
     Case("full FT, FSDP2 8 x MI300X, seq 4096", "llama3_70b_seq4096_mi300x", "mi300x", 8, True),
     Case("full FT, FSDP2 8 x H100, seq 4096", "llama3_70b_seq4096_h100", "h100", 8, True),
+    Case("full FT, FSDP2 8 x H100, seq 4096, fused AdamW", "llama3_70b_seq4096_h100_fused",
+         "h100", 8, True, shorter=("llama3_70b_seq2048_h100_fused",)),
 )
 
 

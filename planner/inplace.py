@@ -372,6 +372,11 @@ def _unwatch(model: torch.nn.Module) -> None:
 
 
 def _changed(owner: torch.nn.Module, name: str, what: str) -> None:
+    if torch.compiler.is_compiling():
+        # Under torch.compile a model that sets attributes in forward (a rotary embedding's
+        # buffers) would have dynamo guard on this weak map, whose size changes as modules die:
+        # the guard fails inside its own frame. Changes made while compiling go unnoticed.
+        return
     entry = _MEMBERS.get(owner)
     plan = entry[0]() if entry is not None else None
     if plan is not None and not plan.changed:
@@ -399,6 +404,8 @@ def _on_tensor(module: torch.nn.Module, name: str, value: Any) -> None:
 def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
     """At each training step: warn once if the model changed since planning, or if the batch is
     larger in some dimension than the example the plan was made for."""
+    if torch.compiler.is_compiling():  # no guards on the plan's flags; eager steps warn
+        return
     plan = applied(model)
     if plan is None or plan.warned or not torch.is_grad_enabled():
         return

@@ -156,3 +156,23 @@ def test_compiled_budget_credits_what_compiling_saves_and_falls_back_to_the_budg
     assert compiled_budget(100, eager_none=200, unplanned=170, try_at=lambda b: None,
                            rounds=3) is None
     assert compiled_budget(100, eager_none=200, unplanned=210, try_at=saves_30, rounds=3) == 100
+
+
+def test_planning_other_models_does_not_recompile_a_compiled_planned_model():
+    """The watch on planned models (a weak map of their modules) stays out of compiled code:
+    planning, copying and dropping other models between steps changes that map, and must not
+    fail or recompile the compiled model's guards (it failed "Guard failed on the same frame it
+    was created" on a Llama under inductor in the benchmark)."""
+    torch._dynamo.reset()
+    case = CASES["llama"]()
+    model, x = case.model, case.inputs
+    p = _planned(model, x, "per_block", case.loss_fn)
+    compiled = torch.compile(model, backend="aot_eager")
+    _train(compiled, x, case.loss_fn, steps=1, owner=model)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            other = planner.apply(planner.remove(copy.deepcopy(model)), p.schedule)
+            _train(compiled, x, case.loss_fn, steps=1, owner=model)  # more modules watched
+            del other
+    planner.remove(model)
+    torch._dynamo.reset()
