@@ -103,12 +103,13 @@ def table(rows: list[dict]) -> str:
              "err | smallest peak MiB (regions) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
+        step = r.get("step_ms", {}).get("none")
         head = (f"| {r['model']} | {r['none_peak'] / MiB:.1f}, "
-                f"{r.get('step_ms', {}).get('none', float('nan')):.0f} | "
+                f"{'-' if step is None else f'{step:.0f}'} | "
                 f"{r['per_block_peak'] / MiB:.1f} ({r['blocks']}), ")
         if r["ours"] != "ok":
-            lines.append(head + f"- | {r['budget'] / MiB:.1f} | {r['ours'][:80]} | - | "
-                         f"{r['smallest_peak'] / MiB:.1f} ({r['smallest_regions']}) |")
+            lines.append(head + f"- | {r['budget'] / MiB:.1f} | no plan: below the smallest "
+                         f"peak | - | {r['smallest_peak'] / MiB:.1f} ({r['smallest_regions']}) |")
             continue
         lines.append(
             head + f"+{r['extra_pct']['per_block']:.1f}% | {r['budget'] / MiB:.1f} | "
@@ -124,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="*", default=list(MODELS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-o", "--output", default=None, help="write the rows as JSON")
+    ap.add_argument("--table", metavar="JSON", help="print the table of a saved run, measure nothing")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())["rows"]))
+        return 0
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown:
         ap.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")

@@ -219,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(r.kind == "ours_compiled" for res in results for r in res.rows):
         parts.append("## Our plans under torch.compile (inductor)\n\n"
                      "`ours + inductor`: the plan applied in place, then the whole model compiled "
-                     "with `torch.compile(backend=\"inductor\")`; re-planned with the measured "
-                     "overshoot kept free where the compiled regions keep more than predicted "
-                     "(`plan(..., compile=\"inductor\")`). Extra time is against eager `none`; "
+                     "with `torch.compile(backend=\"inductor\")`, chosen as `plan(..., "
+                     "compile=\"inductor\")` chooses: no plan where the compiled model fits "
+                     "without one, else a plan for the budget raised by what compiling saves, "
+                     "lowered by each measured overshoot. Extra time is against eager `none`; "
                      "`inductor(1)` is inductor without extra recomputation.\n\n"
                      + compiled(results))
     notes = Path(args.notes)

@@ -849,8 +849,8 @@ def compare(
 
     if include_compile:
         torch._dynamo.reset()
-    for name, value in restore.items():
-        setattr(torch._dynamo.config, name, value)
+    for setting, value in restore.items():
+        setattr(torch._dynamo.config, setting, value)
 
     # rows
     base = statistics.median(none.samples)

@@ -21,6 +21,7 @@ def result():
 
 
 def test_one_row_per_backend_and_budget(result) -> None:
+    assert result.model == "stack"
     compiled = {r.strategy: r.method for r in result.rows if r.kind == "compile"}
     assert compiled == {"compile(0.5)": "aot_eager", "eager(0.5)": "eager"}
     assert result.meta["compile_backend"] == "aot_eager,eager"

@@ -1,0 +1,66 @@
+"""The test zoo (`tests/zoo.py`: models nobody here wrote, called as people train them), planned at
+0.75, 0.5 and 0.3 x its activation memory: predicted against measured peak, fit, gradients.
+
+    HF_HUB_OFFLINE=1 python benchmarks/zoo_table.py          # a Markdown table, under a minute
+
+The same plans as `tests/planner/test_zoo.py`, which asserts them; this prints the figures.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import planner  # noqa: E402
+from planner.api import SLACK_BYTES, plan_from_profile  # noqa: E402
+from solvers.simulate import simulate  # noqa: E402
+from solvers.solve import smallest_peak  # noqa: E402
+from tests.zoo import CASES  # noqa: E402
+
+FRACTIONS = (0.75, 0.5, 0.3)
+KiB = 1024
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    print("| model | family | budget | plan | predicted peak KiB | measured peak KiB | "
+          "predicted - measured | fits | max grad rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for name in sorted(CASES):
+        torch.manual_seed(0)
+        case = CASES[name]()
+        prof = planner.profile(case.model, case.inputs, loss_fn=case.loss_fn, repeats=1)
+        n, least = simulate(prof).peak_bytes, smallest_peak(prof)
+        for f in FRACTIONS:
+            budget = int(prof.fixed_bytes + f * (n - prof.fixed_bytes))
+            head = f"| {name} | {case.family} | {f:g}x = {budget / KiB:.0f} KiB |"
+            if budget < least + SLACK_BYTES:
+                print(f"{head} none: smallest peak {least / KiB:.0f} KiB | | | | | |")
+                continue
+            p = plan_from_profile(case.model, prof, budget_bytes=budget)
+            p.loss_fn, p.example_inputs = case.loss_fn, case.inputs
+            try:
+                v = p.verify(repeats=1)
+            finally:
+                planner.remove(case.model)
+            err = (v.predicted_peak_bytes - v.measured_peak_bytes) / v.measured_peak_bytes
+            worst = max(worst, abs(err))
+            print(f"{head} {p.schedule.method}, {len(p.schedule.regions)} regions | "
+                  f"{v.predicted_peak_bytes / KiB:.1f} | {v.measured_peak_bytes / KiB:.1f} | "
+                  f"{100 * err:+.3f}% | {'yes' if v.measured_peak_bytes <= budget else 'NO'} | "
+                  f"{v.max_grad_rel_err:.1e} |")
+    print(f"\nlargest |predicted - measured| / measured: {100 * worst:.3f}%; "
+          f"{time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
