@@ -778,7 +778,7 @@ def compare(
         _raise_recompile_limit(restore)
         eager_none = simulate(prof).peak_bytes
         for backend in backends:
-            unplanned_peak = None
+            unplanned, unplanned_peak = None, None
             for f in plan_fractions:
                 row = Row(strategy=f"ours+{backend}@{f:g}", kind="ours_compiled",
                           budget_bytes=budgets[f], fraction=f, method=backend)
@@ -803,7 +803,7 @@ def compare(
                         unplanned_peak = measure(unplanned, example_inputs, loss_fn,
                                                  repeats=1).peak_bytes
                     if unplanned_peak <= target:  # fits compiled without a plan
-                        module = torch.compile(copy.deepcopy(model), backend=backend)
+                        module = unplanned
                         row.method, row.regions = f"{backend}, none", 0
                         row.predicted_extra_pct = 0.0
                     else:
