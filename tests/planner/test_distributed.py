@@ -155,7 +155,11 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
         sharding = sharding.removesuffix("+lora")
         model, inputs, ids = _llama_and_batches(lora)
         mb = _micro(inputs["input_ids"], rank)
-        budget = _budget_between(model, mb, sharding)
+        # One budget for every rank, as a user passes one: rank 0's (the smallest peak comes
+        # from a time-limited solve, which two ranks sharing the CPU may end at different places)
+        box = [_budget_between(model, mb, sharding)]
+        dist.broadcast_object_list(box, src=0)
+        budget = box[0]
         if sharding == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -197,7 +201,7 @@ def test_per_rank_plan_holds_its_budget_on_every_rank(sharding):
         res = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
     assert res[0]["regions"] == res[1]["regions"], "every rank applies the same plan"
     for r in res:
-        assert r["measured"] <= r["budget"], (r["measured"], r["budget"])
+        assert r["measured"] <= r["budget"], (r["measured"], r["budget"], r["predicted"], r["regions"])
         err = abs(r["predicted"] - r["measured"]) / r["measured"]
         assert err <= PEAK_TOLERANCE, (sharding, r["predicted"], r["measured"])
     # one process on the whole batch, unplanned: the mean of the ranks' losses
