@@ -385,20 +385,28 @@ def compiled_budget(budget: int, eager_none: int, unplanned: int,
     compiled region may keep more. Neither is modelled; both are measured. The search starts from
     `budget` raised by what compiling saves on the unplanned step (`eager_none`, the eager
     unplanned peak, less `unplanned`, the compiled one), so that a plan does not recompute what
-    the compiler already saves. Where that overshoots, the saving did not carry over to the
-    plan: the search goes on from `budget` itself, lowered by each measured overshoot. `try_at(b)`
-    plans at eager budget b, compiles, measures, and returns the compiled peak (None: no plan
-    reaches b). Returns the eager budget whose compiled plan fit, or None after `rounds` tries
-    (one more where the first is raised)."""
+    the compiler already saves, and lowers it by each measured overshoot while that stays above
+    `budget` and the compiled peak keeps falling; then (the saving did not carry over to the plan)
+    it goes on from `budget` itself, lowered likewise. `try_at(b)` plans at eager budget b,
+    compiles, measures, and returns the compiled peak (None: no plan reaches b). Returns the eager
+    budget whose compiled plan fit, or None after `rounds` tries (one more where the first is
+    raised)."""
     raised = budget + max(0, eager_none - unplanned)
     b = min(raised, eager_none - 1)
+    last = None
     for _ in range(rounds + (b > budget)):
         peak = try_at(b)
         if peak is None:
             return None
         if peak <= budget:
             return b
-        b = min(b, budget) - (peak - budget) if b <= budget else budget
+        over = peak - budget
+        if b > budget:
+            falling = last is None or peak < last
+            b = b - over if falling and b - over > budget else budget
+        else:
+            b -= over
+        last = peak
     return None
 
 
@@ -613,8 +621,17 @@ def plan(
                             units=list(fsdp_units) if fsdp_units is not None else None)
         except ProfileError as e:
             raise CkptPlannerError(str(e)) from None
-    p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
-                          time_limit_s=time_limit_s)  # budget None: the smallest peak
+    try:
+        p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
+                              time_limit_s=time_limit_s)  # budget None: the smallest peak
+    except InfeasibleBudgetError:
+        if compile is None:
+            raise
+        # Compiled, the step may keep less than any eager plan reaches: the budget is judged
+        # on the compiled step (`_fit_compiled`), starting from the smallest eager peak.
+        p = plan_from_profile(model, prof, budget_bytes=None, method=method,
+                              time_limit_s=time_limit_s)
+        p.budget_bytes = budget
     p.local_profile = local
     if budget is not None and compile is not None:
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,

@@ -131,8 +131,9 @@ def test_plan_for_compile_keeps_the_compiled_step_within_budget():
 
 def test_compiled_budget_credits_what_compiling_saves_and_falls_back_to_the_budget():
     """`compiled_budget` (pure search): a compiler that keeps 30 less than eager at every plan is
-    planned for the budget plus that saving at the first try; one whose saving vanishes once a
-    plan is applied is searched from the budget itself, lowered by each measured overshoot."""
+    planned for the budget plus that saving at the first try; one that keeps part of the saving
+    is lowered from there by the overshoot; one whose saving vanishes once a plan is applied is
+    searched from the budget itself, lowered by each measured overshoot."""
     from planner.api import compiled_budget
 
     tries: list[int] = []
@@ -153,6 +154,14 @@ def test_compiled_budget_credits_what_compiling_saves_and_falls_back_to_the_budg
     assert compiled_budget(100, eager_none=200, unplanned=170, try_at=plateau, rounds=3) == 95
     assert tries == [130, 100, 95]
     tries.clear()
+    tries.clear()
+
+    def shrinking(b: int) -> int:  # the saving carries over in part: 115 at 130, 100 at 115
+        tries.append(b)
+        return b - 15
+
+    assert compiled_budget(100, eager_none=200, unplanned=170, try_at=shrinking, rounds=3) == 115
+    assert tries == [130, 115]
     assert compiled_budget(100, eager_none=200, unplanned=170, try_at=lambda b: None,
                            rounds=3) is None
     assert compiled_budget(100, eager_none=200, unplanned=210, try_at=saves_30, rounds=3) == 100
@@ -175,4 +184,30 @@ def test_planning_other_models_does_not_recompile_a_compiled_planned_model():
             _train(compiled, x, case.loss_fn, steps=1, owner=model)  # more modules watched
             del other
     planner.remove(model)
+    torch._dynamo.reset()
+
+
+def test_a_budget_below_the_eager_floor_is_judged_on_the_compiled_step():
+    """plan(..., compile="inductor") at a budget no eager plan reaches: inductor keeps less than
+    eager, so the budget is searched on compiled copies; the answer is a plan whose compiled step
+    fits, or an error giving the compiled peaks it measured (not the eager floor's message)."""
+    from tests.models import unet
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = unet(batch=2, base=8, depth=2, image=48)
+    prof = planner.profile(model, x, repeats=1)
+    budget = smallest_peak(prof) - 1
+    try:
+        p = planner.plan(model, budget_bytes=budget, example_inputs=x, compile="inductor",
+                         repeats=1)
+    except planner.InfeasibleBudgetError as e:
+        assert "under torch.compile(backend='inductor')" in str(e)
+        assert "measured compiled peaks" in str(e)
+        from planner.inplace import applied
+
+        assert applied(model) is None  # the model is left as it was
+    else:
+        assert p.compiled_peak_bytes is not None and p.compiled_peak_bytes <= budget
+        planner.remove(model)
     torch._dynamo.reset()
