@@ -139,6 +139,26 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def report(case: Case, p: Profile, rows: list[Row], info: dict) -> str:
+    """One case's heading, its table, and where nothing fits, what would."""
+    dev = get_device(case.device)
+    lines = [f"### {case.name}", "",
+             f"{dev.name}, {format_bytes(info['capacity'])} per device; fixed per device "
+             f"{format_bytes(info['fixed'])} (weights, optimizer state, inputs); activations "
+             f"saved without checkpointing {format_bytes(p.saved_bytes)}; smallest reachable "
+             f"peak {format_bytes(info['least'])}; step {p.step_ms / 1e3:.2f} s (roofline "
+             "estimate)", "", table(rows)]
+    if not info["fits"]:
+        fit = info.get("fits_at")
+        lines += ["", "nothing fits" + (f"; the longest sequence that does: {fit[0]} at "
+                                        f"{format_bytes(fit[1])}, +{100 * fit[2]:.1f}%"
+                                        if fit else "")]
+        lines += [f"at a shorter sequence ({name}) the smallest peak is still "
+                  f"{format_bytes(least)}: what does not fit is not the activations"
+                  for name, least in info.get("shorter_least", [])]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budgets", type=int, default=4,
@@ -147,23 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for case in CASES:
         t1 = time.perf_counter()
-        p, rows, info = study(case, args.budgets)
-        dev = get_device(case.device)
-        print(f"\n### {case.name}\n")
-        print(f"{dev.name}, {format_bytes(info['capacity'])} per device; fixed per device "
-              f"{format_bytes(info['fixed'])} (weights, optimizer state, inputs); activations "
-              f"saved without checkpointing {format_bytes(p.saved_bytes)}; smallest reachable "
-              f"peak {format_bytes(info['least'])}; step {p.step_ms / 1e3:.2f} s (roofline "
-              f"estimate)\n")
-        print(table(rows))
-        if not info["fits"]:
-            fit = info.get("fits_at")
-            print("\nnothing fits" + (f"; the longest sequence that does: {fit[0]} at "
-                                      f"{format_bytes(fit[1])}, +{100 * fit[2]:.1f}%"
-                                      if fit else ""))
-            for name, least in info.get("shorter_least", []):
-                print(f"at a shorter sequence ({name}) the smallest peak is still "
-                      f"{format_bytes(least)}: what does not fit is not the activations")
+        print("\n" + report(case, *study(case, args.budgets)))
         print(f"\n({time.perf_counter() - t1:.1f} s)")
     print(f"\nall cases in {time.perf_counter() - t0:.1f} s")
     return 0

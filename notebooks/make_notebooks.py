@@ -277,23 +277,14 @@ def llama70b_nb() -> nbformat.NotebookNode:
         new_code_cell(SETUP),
         new_code_cell(
             """\
-from benchmarks.llama70b import CASES, study, table
-from planner.devices import get_device
-from solvers.units import format_bytes
+from benchmarks.llama70b import CASES, report, study
 
 cases = CASES[:1] if SMALL else CASES
 results = {}
 for case in cases:
     p, rows, info = study(case, budgets=2 if SMALL else 4)
     results[case.name] = (rows, info)
-    print(f"\\n{case.name}: {get_device(case.device).name}, {format_bytes(info['capacity'])}; "
-          f"fixed {format_bytes(info['fixed'])}; smallest reachable peak "
-          f"{format_bytes(info['least'])}; step {p.step_ms / 1e3:.2f} s")
-    print(table(rows))
-    if not info["fits"]:
-        fit = info.get("fits_at")
-        print("nothing fits" + (f"; the longest sequence that does: {fit[0]} at "
-                                f"{format_bytes(fit[1])}, +{100 * fit[2]:.1f}%" if fit else ""))
+    print(report(case, p, rows, info) + "\\n")
 assert "torch" not in sys.modules, "offline planning must not import torch"
 """
         ),
