@@ -260,7 +260,10 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     # each region's replay, a parent's before its children's.
     replay_at: dict[int, list[int]] = {}
     replay_ops: dict[int, _Replay] = {}
-    held: dict[int, int] = {}  # replay copies kept for backward: storage -> node index it dies at
+    # Replay copies kept for backward: (storage, node index it dies at). A storage can have a
+    # copy from each of several replays (a parent's replay re-runs a nested region, whose own
+    # replay makes it again), each freed on its own.
+    held: list[tuple[int, int]] = []
     replay_freed: set[int] = set()  # originals (selective saves) that die inside a replay
 
     def handed(c: int) -> set[int]:
@@ -331,7 +334,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         else:
             rep = _replay(g, r, (handed, keep_for), last, replay_freed, calls_in(k))
         replay_ops[k] = rep
-        held.update(rep.held)
+        held.extend(rep.held.items())
         # the replayed ops, and checkpoint's own host cost: per region, per tensor it packs
         recompute_ms += rep.recompute_ms + g.region_ms + g.saved_tensor_ms * rep.packs
     for at_node in replay_at.values():
@@ -356,7 +359,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         if t >= 0:
             free_orig.setdefault(t, []).append(s)
     free_held: dict[int, list[int]] = {}
-    for s, t in held.items():
+    for s, t in held:
         free_held.setdefault(t, []).append(s)
     sb, ws = g.sbytes, g.ws
     names = g.names
@@ -585,7 +588,7 @@ def _original_ends(g, regs: list[_Reg]) -> list[int]:
     return last.tolist()
 
 
-def _sweep(g, last: list[int], held: dict[int, int], replay_at: dict[int, list[int]],
+def _sweep(g, last: list[int], held: list[tuple[int, int]], replay_at: dict[int, list[int]],
            replay_ops: dict[int, _Replay],
            replay_freed: set[int], extra_alloc: dict[int, int], extra_free: dict[int, int],
            recompute_ms: float) -> Simulation:
@@ -599,8 +602,8 @@ def _sweep(g, last: list[int], held: dict[int, int], replay_at: dict[int, list[i
     live = last_a >= 0
     np.add.at(frees, last_a[live], sb[live])
     if held:
-        np.add.at(frees, np.fromiter(held.values(), np.int64, len(held)),
-                  sb[np.fromiter(held.keys(), np.int64, len(held))])
+        np.add.at(frees, np.fromiter((t for _, t in held), np.int64, len(held)),
+                  sb[np.fromiter((s for s, _ in held), np.int64, len(held))])
     once = (last_a < 0) & (a.maker >= 0)  # nobody reads it: freed after the op that made it
     if replay_freed:
         once[list(replay_freed)] = False
