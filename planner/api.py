@@ -39,7 +39,7 @@ from planner.profiling import profile
 from solvers.distributed import per_rank
 from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
-from solvers.schedule import Schedule
+from solvers.schedule import Region, Schedule
 from solvers.simulate import peak_breakdown, simulate
 from solvers.solve import BASELINES, lowest, smallest_peak, solve
 from solvers.units import format_bytes, parse_budget
@@ -180,7 +180,7 @@ class Plan:
                 f"{extra:>9.2f} ms {100 * extra / max(p.step_ms, 1e-9):>5.1f}% "
                 f"{len(s.regions):>8}{note}"
             )
-        regions = ", ".join(r.module or "(root)" for r in self.schedule.regions) or "none"
+        regions = ", ".join(region_label(r) for r in self.schedule.regions) or "none"
         lines.append(f"checkpointed modules: {regions}")
         blocked = [c for c in p.calls if c.blocker]
         if blocked:
@@ -255,6 +255,16 @@ class Plan:
         `predicted_peak_bytes_now`)."""
         return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats,
                        autocast=self.autocast)
+
+
+def region_label(r: Region) -> str:
+    """A region as the report names it: the module path, and for a run of an `nn.Sequential`'s
+    children or of a module's traced forward, which ones."""
+    name = r.module or "(root)"
+    if r.segment is None:
+        return name
+    i, j = r.segment
+    return f"{name}[{'nodes' if r.staged else 'children'} {i}-{j}]"
 
 
 def verify_against(reference: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]]

@@ -7,9 +7,10 @@ its verdict: can it be a checkpointed region, and if not, why (the `blocker` of 
 from __future__ import annotations
 
 import datetime
+import json
 from collections import Counter
 
-from planner.capture.record import OpRecord, Recording
+from planner.capture.record import OpRecord, Recording, Staged
 from solvers.profile import FIXED_PHASES, ModuleCall, Node, Profile, ProfileMeta
 
 __all__ = ["call_blockers", "to_profile"]
@@ -65,6 +66,32 @@ def call_blockers(rec: Recording) -> list[str]:
     return out
 
 
+def _stage_fields(rec: Recording, st: Staged) -> dict:
+    """The `ModuleCall` stage fields of a staged call: stage spans as node names, and how far a
+    region starting at each stage may reach before an in-place write to a tensor made before
+    its start (other than a buffer) would be replayed twice."""
+    names = [r.name for r in rec.ops]
+    starts, stop = list(st.ops[:-1]), st.ops[-1]
+    lasts = [nxt - 1 for nxt in (*starts[1:], stop)]
+    made_at: dict[int, int] = {}
+    for i, r in enumerate(rec.ops):
+        for s in r.new_storages:
+            made_at[s] = i
+    buffers = {r.storage for r in rec.ops if _is_buffer(r)}
+    writes = [(i, s) for i in range(starts[0], stop) for s in rec.ops[i].writes
+              if s not in buffers]
+    limits = []
+    for k, a in enumerate(starts):
+        first = min((i for i, s in writes if i >= a and made_at.get(s, -1) < a), default=stop)
+        lim = k - 1
+        while lim + 1 < len(starts) and lasts[lim + 1] < first:
+            lim += 1
+        limits.append(lim)
+    return dict(staged=json.dumps({"pattern": st.pattern, "fingerprint": st.fingerprint}),
+                stages=tuple(names[i] for i in starts), stage_last=tuple(names[i] for i in lasts),
+                stage_nodes=tuple(st.nodes), stage_limits=tuple(limits))
+
+
 def to_profile(
     rec: Recording,
     *,
@@ -109,12 +136,14 @@ def to_profile(
     fixed = {s for r in rec.ops if r.phase in FIXED_PHASES for s in r.new_storages}
     calls = []
     for c, b in zip(rec.calls, blockers, strict=True):
+        st = rec.staged.get(c.module) if not b else None
         calls.append(ModuleCall(
             module=c.module, start=names[c.start], end=names[c.end], blocker=b,
             buffers=tuple(sorted({buffer_name[s] for r in rec.ops[c.start:c.end + 1]
                                   for s in r.writes if s in buffer_name})),
             holds=tuple(sorted(c.holds - fixed)),
             children=tuple(rec.sequential.get(c.module, ())),
+            **(_stage_fields(rec, st) if st is not None else {}),
         ))
     meta = ProfileMeta(
         model_class=model_class,

@@ -14,7 +14,9 @@ hooks are untouched) to a wrapper that runs the original forward under non-reent
 With gradients disabled (evaluation, `generate`) the wrapper calls the original forward directly.
 A region that is a run of an `nn.Sequential`'s children (`Region.segment`) sets the Sequential's
 `forward` to one that runs its children in order, each run under its own checkpoint, as
-`torch.utils.checkpoint.checkpoint_sequential` does.
+`torch.utils.checkpoint.checkpoint_sequential` does. A region that is a run of the nodes of a
+module's traced forward (`Region.staged`, `planner.stages`) sets its `forward` to the trace's
+interpreter, with those runs checkpointed.
 
 `remove(model)` restores every wrapped module's previous `forward`.
 """
@@ -42,7 +44,7 @@ from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.schedule import Region, Schedule
 
 __all__ = ["AppliedPlan", "CheckpointedForward", "PlanOutdatedWarning", "SegmentedForward",
-           "applied", "apply_schedule", "applying", "remove"]
+           "StagedForward", "applied", "apply_schedule", "applying", "remove"]
 
 _ATTR = "_ckpt_planner_applied"
 
@@ -57,7 +59,7 @@ class AppliedPlan:
     """What `apply_schedule` changed on a model, so that `remove` can undo it."""
 
     schedule: Schedule
-    wrapped: dict[str, CheckpointedForward | SegmentedForward]
+    wrapped: dict[str, CheckpointedForward | SegmentedForward | StagedForward]
     """Module path -> the wrapper set as that module's `forward`."""
     changed: str = ""
     """What changed in the model since the plan was applied ("" while nothing did)."""
@@ -275,6 +277,67 @@ class SegmentedForward:
         return input
 
 
+class StagedForward:
+    """A module's forward run through its trace (`planner.stages`), with runs of its nodes
+    (`Region.segment`) as checkpointed regions. A call the trace was not made for (other
+    argument kinds or values, the other training mode), and any call without gradients, runs
+    the module's own forward."""
+
+    def __init__(self, module: torch.nn.Module, regions: list[Region], root: torch.nn.Module):
+        import json
+
+        from planner.stages import Pattern, trace
+
+        self.module = module
+        self.previous = None
+        self.region = regions[0]
+        self.regions = sorted(regions, key=lambda r: r.segment)
+        where = f"module {regions[0].module!r} ({type(module).__name__})"
+        try:
+            info = json.loads(self.region.staged)
+            pattern = Pattern.from_json(info["pattern"])
+        except (ValueError, KeyError, TypeError):
+            raise ScheduleError(f"region of {where}: malformed 'staged' field") from None
+        if any(r.staged != self.region.staged for r in self.regions):
+            raise ScheduleError(f"regions of {where} disagree on its trace")
+        self.graph = trace(module, pattern)
+        if self.graph is None or self.graph.fingerprint != info["fingerprint"]:
+            raise ScheduleError(
+                f"the schedule cuts inside the forward of {where}, whose code no longer traces "
+                "as it did when planned: the schedule was made for another model; re-plan")
+        n = len(self.graph.exec)
+        last = -1
+        for r in self.regions:
+            i, j = r.segment
+            if not (0 <= i <= j < n) or i <= last:
+                raise ScheduleError(
+                    f"segments {[r.segment for r in self.regions]} of {where} overlap or are out "
+                    f"of range for its {n} traced nodes: the schedule was made for another model")
+            last = j
+        self._runners = {r.segment[0]: (r.segment[1], _RegionRunner(r, root))
+                         for r in self.regions}
+        self._build()
+        functools.update_wrapper(self, type(module).forward.__get__(module))
+
+    def _build(self) -> None:
+        self._program = self.graph.program(
+            self.module, {i: (j, rr.run) for i, (j, rr) in self._runners.items()})
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StagedForward:
+        new = StagedForward.__new__(StagedForward)
+        new.__dict__.update(self.__dict__)
+        new.module = memo.get(id(self.module), self.module)
+        new._runners = {i: (j, r.remap(memo)) for i, (j, r) in self._runners.items()}
+        new._build()
+        new.__wrapped__ = type(new.module).forward.__get__(new.module)
+        return new
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or not self.graph.matches(self.module, args, kwargs):
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self._program(*args, **kwargs)
+
+
 def _run_children(children: list[torch.nn.Module], input: Any) -> Any:
     for m in children:
         input = m(input)
@@ -312,7 +375,8 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
                 f"region {k} wraps module {r.module!r}, which this model does not have: the "
                 "schedule was made for another model; re-plan"
             ) from None
-        if r.segment is not None and not isinstance(module, torch.nn.Sequential):
+        if r.segment is not None and not r.staged \
+                and not isinstance(module, torch.nn.Sequential):
             raise ScheduleError(f"region {k} is a segment of {r.module!r}, which is a "
                                 f"{type(module).__name__}, not an nn.Sequential")
         if r.module in targets:
@@ -323,10 +387,10 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
             others.append(r)
         else:
             targets[r.module] = (module, [r])
-    wrapped: dict[str, CheckpointedForward | SegmentedForward] = {}
+    wrapped: dict[str, CheckpointedForward | SegmentedForward | StagedForward] = {}
     for path, (module, regions) in targets.items():
         previous = module.__dict__.get("forward")
-        if isinstance(previous, CheckpointedForward | SegmentedForward):
+        if isinstance(previous, CheckpointedForward | SegmentedForward | StagedForward):
             raise CkptPlannerError(f"module {path!r} is already checkpointed by ckpt-planner")
         if regions[0].segment is not None:
             if previous is not None:
@@ -334,8 +398,9 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
                     f"module {path!r} has a forward of its own set on the instance; its children "
                     "cannot be checkpointed as segments"
                 )
-            wrapper: CheckpointedForward | SegmentedForward = SegmentedForward(
-                module, regions, model)
+            wrapper: CheckpointedForward | SegmentedForward | StagedForward = (
+                StagedForward(module, regions, model) if regions[0].staged
+                else SegmentedForward(module, regions, model))
         else:
             wrapper = CheckpointedForward(module, regions[0], model, previous)
         module.__dict__["forward"] = wrapper

@@ -414,6 +414,9 @@ class CallSpan:
     """Children `segment[0]..segment[1]` of the Sequential `call.module`; None: the whole call."""
     buffers: tuple[str, ...] = ()
     """Buffers updated in place inside the span."""
+    staged: str = ""
+    """For a run of a staged call's stages: the call's `ModuleCall.staged`; the segment is then
+    a range of the trace's node positions."""
 
 
 def candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
@@ -436,6 +439,8 @@ def _candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
             out.append(CallSpan(c, a, b, None, c.buffers))
         if c.children:
             segments.extend(_segments(profile, c, by_module))
+        elif c.stages and not c.blocker:
+            segments.extend(_stage_spans(profile, c))
     for span in segments:
         if (span.a, span.b) not in seen:
             seen.add((span.a, span.b))
@@ -479,6 +484,25 @@ def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
     return out
 
 
+def _stage_spans(profile: Profile, c: ModuleCall) -> list[CallSpan]:
+    """Runs of consecutive stages of a staged call (`planner.stages`) that can be one region:
+    within the stage's limit, and not the whole call (that is the call's own span)."""
+    pos = graph_index(profile).position
+    n = len(c.stages)
+    starts = [pos(x) for x in c.stages]
+    lasts = [pos(x) for x in c.stage_last]
+    within = [(pos(k.start), pos(k.end), k.buffers) for k in profile.calls
+              if k.buffers and starts[0] <= pos(k.start) and pos(k.end) <= lasts[-1]]
+    out = []
+    for i in range(n):
+        for j in range(i, c.stage_limits[i] + 1):
+            a, b = starts[i], lasts[j]
+            buffers = sorted({x for ka, kb, bs in within if a <= ka and kb <= b for x in bs})
+            out.append(CallSpan(c, a, b, (c.stage_nodes[i], c.stage_nodes[j + 1] - 1),
+                                tuple(buffers), c.staged))
+    return out
+
+
 def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
     """Regions of a recorded profile with the module each one wraps, the selective policy's keys,
     and whether its replay needs the RNG state or copies of buffers. A region that is no
@@ -494,7 +518,7 @@ def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
         span = spans.get((r.start, r.end))
         if span is None:
             out.append(dataclasses.replace(r, module=None, save_ops=(), preserve_rng=False,
-                                           buffers=(), segment=None))
+                                           buffers=(), segment=None, staged=""))
             continue
         lo, hi = g.name_to_i[r.start], g.name_to_i[r.end]
         counts: dict[str, int] = {}
@@ -519,7 +543,7 @@ def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
             ) from None
         out.append(dataclasses.replace(r, module=span.call.module, save_ops=save_ops,
                                        preserve_rng=random, buffers=span.buffers,
-                                       segment=span.segment))
+                                       segment=span.segment, staged=span.staged))
     return tuple(out)
 
 

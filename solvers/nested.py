@@ -119,11 +119,13 @@ def _span_of(profile: Profile, r: Region) -> tuple[int, int]:
 
 def _fits(span: CallSpan, chosen: list[CallSpan]) -> bool:
     """`span` can join `chosen`: nested in, containing, or disjoint from every region, never
-    the same nodes as one, and not a module another region already wraps."""
-    modules = {c.call.module for c in chosen}
-    if span.call.module in modules:
-        return False
+    the same nodes as one, and not a module another region already wraps (disjoint segments of
+    one module may both be regions)."""
     for c in chosen:
+        if c.call.module == span.call.module and (
+                c.segment is None or span.segment is None
+                or not (span.b < c.a or span.a > c.b)):
+            return False
         if (c.a, c.b) == (span.a, span.b):
             return False
         disjoint = span.b < c.a or span.a > c.b

@@ -122,6 +122,19 @@ class ModuleCall:
     """For a module whose forward is `torch.nn.Sequential`'s (each child's output is the next
     child's input, nothing in between): its children's names, in order. Any run of consecutive
     children can then be one region (`checkpoint_sequential`'s segments)."""
+    staged: str = ""
+    """For a module whose forward traces (`planner.stages`): the traced call's pattern and the
+    trace's fingerprint, as JSON; "" otherwise. Any run of consecutive stages (`stages`) can then
+    be one region, which `planner.apply` runs through the trace."""
+    stages: tuple[str, ...] = ()
+    """First forward node of each stage (a node of the traced forward that ran ops)."""
+    stage_last: tuple[str, ...] = ()
+    """Last forward node of each stage."""
+    stage_nodes: tuple[int, ...] = ()
+    """Position of each stage's first node among the trace's nodes, then their number."""
+    stage_limits: tuple[int, ...] = ()
+    """For each stage, the last stage a region starting there may reach (an in-place write to a
+    tensor made before the region's start ends it; one less than the stage: none)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -549,3 +562,16 @@ def _validate(p: Profile) -> None:
                 raise ProfileError(f"calls[{k}] ({c.module!r}): {key} {name!r} is not a forward node")
         if seen[c.start] > seen[c.end]:
             raise ProfileError(f"calls[{k}] ({c.module!r}): starts after it ends")
+        if c.stages:
+            n = len(c.stages)
+            ok = (isinstance(c.staged, str) and len(c.stage_last) == n
+                  and len(c.stage_nodes) == n + 1 and len(c.stage_limits) == n
+                  and all(isinstance(x, str) and x in seen for x in c.stages + c.stage_last)
+                  and all(_is_count(x) for x in c.stage_nodes)
+                  and all(isinstance(x, int) for x in c.stage_limits)
+                  and list(c.stage_nodes) == sorted(set(c.stage_nodes))
+                  and all(seen[c.start] <= seen[a] <= seen[b] <= seen[c.end]
+                          for a, b in zip(c.stages, c.stage_last, strict=True))
+                  and all(i - 1 <= lim < n for i, lim in enumerate(c.stage_limits)))
+            if not ok:
+                raise ProfileError(f"calls[{k}] ({c.module!r}): malformed stages")

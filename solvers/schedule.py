@@ -52,7 +52,11 @@ class Region:
     segment: tuple[int, int] | None = None
     """For a `torch.nn.Sequential` `module`: the region is its children `segment[0]` to
     `segment[1]` (inclusive, by position), run as one checkpoint (`checkpoint_sequential`'s
-    segments); None when the region is the whole module call."""
+    segments); for a staged module (`staged`), the nodes `segment[0]` to `segment[1]` of its
+    traced forward; None when the region is the whole module call."""
+    staged: str = ""
+    """For a run of a module's traced forward (`planner.stages`): the call pattern the trace is
+    made for and its fingerprint, as JSON (`ModuleCall.staged`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +113,7 @@ class Schedule:
                     preserve_rng=bool(r.get("preserve_rng", False)),
                     buffers=tuple(r.get("buffers", ())),
                     segment=tuple(r["segment"]) if r.get("segment") is not None else None,
+                    staged=str(r.get("staged", "")),
                 )
                 for r in d.get("regions", [])
             )
@@ -147,4 +152,6 @@ def _region_dict(r: Region) -> dict[str, Any]:
                  buffers=list(r.buffers))
         if r.segment is not None:
             d["segment"] = list(r.segment)
+        if r.staged:
+            d["staged"] = r.staged
     return d

@@ -213,6 +213,8 @@ class OpRecord:
     """The op returns a view of an input (its schema says the output aliases it, read-only)."""
     dtype: str = ""
     """The dtype the op computes in (its first floating input's; its output's if none)."""
+    grad_mode: bool = True
+    """Whether gradients were enabled when the op ran (`torch.no_grad` blocks inside forward)."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,19 @@ class ModuleCall:
     """Storages the call's arguments reach when the forward ends (a KV cache object passed to
     every layer holds what later layers add to it): a checkpoint of this call keeps its
     arguments, so these live until the region's backward."""
+
+
+@dataclass(frozen=True)
+class Staged:
+    """Where the nodes of a module's traced forward (`planner.stages`) start in the recording."""
+
+    pattern: str
+    """`planner.stages.Pattern` of the call, as JSON."""
+    fingerprint: str
+    nodes: tuple[int, ...]
+    """Exec position of each stage's first node, then the number of exec nodes."""
+    ops: tuple[int, ...]
+    """Index in `Recording.ops` of each stage's first op, then one past the last stage's op."""
 
 
 @dataclass
@@ -245,6 +260,8 @@ class Recording:
     module_paths: list[str]
     sequential: dict[str, list[str]] = field(default_factory=dict)
     """Modules whose forward is `nn.Sequential`'s: path -> children's names, in order."""
+    staged: dict[str, Staged] = field(default_factory=dict)
+    """Modules called once whose traced forward ran the recorded ops (`planner.stages`)."""
     step_ms: float | None = None
     """Wall time of one unrecorded step (median), when timed."""
 
@@ -340,6 +357,8 @@ class _Recorder(TorchDispatchMode):
         self.owner: dict[int, int] = {}  # storage id -> record index of the tensor that is it
         self.times: list[float] = []
         self.names: list[str] = []
+        self.grad_modes: list[bool] = []
+        self.phases: list[str] = []
         self.module_stack: list[str] = []
         self.calls: list[ModuleCall] = []
         self.call_args: list[tuple[list[int], list[weakref.ref]]] = []
@@ -440,6 +459,8 @@ class _Recorder(TorchDispatchMode):
         self.sync()
         self.times.append((time.perf_counter() - t0) * 1e3)
         self.names.append(op_name(func))
+        self.grad_modes.append(torch.is_grad_enabled())
+        self.phases.append(self.phase)
         return out
 
     def _record(self, func, args, kwargs, in_tensors, in_sids, out, seq, node) -> None:
@@ -487,6 +508,7 @@ class _Recorder(TorchDispatchMode):
             dynamic=_dynamic_reason(func),
             view=is_view(func),
             dtype=_compute_dtype(in_tensors, out),
+            grad_mode=torch.is_grad_enabled(),
         )
         if self.phase in ("forward", "loss") and any(o is not None for o in out_sids):
             if seq != self.last_seq:  # this op created autograd node seq - 1
@@ -741,12 +763,14 @@ def record_step(
     timing_repeats: int = 0,
     workspace: bool = False,
     device: torch.device | None = None,
+    stages: bool = True,
 ) -> Recording:
     """Run the step of `spec` once under the recorder (structure, FLOPs, lifetimes), then
     `timing_repeats` more times timing every op (median), and, with `workspace`, once under
     `torch.profiler` to measure each op's transient allocations. The model's buffers and the RNG
     are restored before every run, so every run draws the same dropout masks and runs the same
-    ops; the user's model is left as it was."""
+    ops; the user's model is left as it was. With `stages`, one more light run finds where
+    the nodes of each module's traced forward start (`_find_stages`)."""
     sync = (lambda: torch.cuda.synchronize()) if device is not None and device.type == "cuda" \
         else (lambda: None)
     rec = _Recorder(sync=sync)
@@ -774,6 +798,8 @@ def record_step(
     rec.__dict__.pop("_final_refs", None)
     gc.collect()
     recording = _assemble(spec, rec, out_sids, loss_sid, grad_sids, input_shapes)
+    if stages:
+        recording.staged = _find_stages(spec, recording)
     if timing_repeats > 0 and not fake:
         _time_ops(spec, recording, timing_repeats, sync)
     if workspace and not fake and (device is None or device.type == "cpu"):
@@ -874,6 +900,121 @@ def _align(ops: list[OpRecord], names: list[str]) -> list[int | None] | None:
     out: list[int | None] = [None] * len(ops)
     for k, j in zip(mine, theirs, strict=True):
         out[k] = j
+    return out
+
+
+class _StagingForward:
+    """During the stage run: a module's forward run through its trace, noting the light
+    recorder's op count before each node."""
+
+    def __init__(self, name: str, module: torch.nn.Module, rec: _Recorder,
+                 found: dict[str, tuple[Any, list[tuple[int, int]]]]):
+        self.name, self.module, self.rec, self.found = name, module, rec, found
+        self.orig = type(module).forward.__get__(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from planner.stages import call_pattern, trace
+
+        pattern = call_pattern(self.module, args, kwargs)
+        sg = None
+        if pattern is not None and self.name not in self.found:
+            self.rec.suspended += 1  # tracing runs no op of the step
+            try:
+                sg = trace(self.module, pattern)
+            finally:
+                self.rec.suspended -= 1
+        if sg is None:
+            return self.orig(*args, **kwargs)
+        marks: list[tuple[int, int]] = []
+        names = self.rec.names
+        out = sg.run(self.module, args, kwargs, on_node=lambda k: marks.append((k, len(names))))
+        marks.append((len(sg.exec), len(names)))
+        self.found[self.name] = (sg, marks)
+        return out
+
+
+def _find_stages(spec: StepSpec, recording: Recording) -> dict[str, Staged]:
+    """Run the step once more, light, with every stageable module called once in the step
+    running its traced forward (`planner.stages`), and map each node's first op to the
+    recording.
+
+    Tracing does not see context managers (a `torch.no_grad()` block, a decorated helper): a
+    staged module whose forward ops ran with another grad mode than recorded is left out (the
+    innermost staged call around such an op; its callers still stage it as one call) and the
+    run is repeated without it. Nothing is staged when the run's op sequence still differs from
+    the recording's (a trace that does not reproduce the model's code) or it raises."""
+    from planner.stages import stageable
+
+    per_module: dict[str, int] = {}
+    for c in recording.calls:
+        per_module[c.module] = per_module.get(c.module, 0) + 1
+    call_of = {c.module: c for c in recording.calls if per_module[c.module] == 1}
+    allowed = {name: m for name, m in spec.model.named_modules()
+               if name in call_of and stageable(m)}
+    ops = [r for r in recording.ops if r.phase in ("forward", "loss", "backward")
+           and r.op != "getitem"]
+    fwd_ops = [r for r in ops if r.phase == "forward"]
+    for _ in range(4):
+        if not allowed:
+            return {}
+        rec = _Recorder(structure=False)
+        found: dict[str, tuple[Any, list[tuple[int, int]]]] = {}
+        for name, m in allowed.items():
+            m.__dict__["forward"] = _StagingForward(name, m, rec, found)
+        try:
+            with restoring(spec), rec:
+                run_step(spec, rec, hooks=False)
+        except Exception:  # noqa: BLE001 - a trace that cannot run the step gives no stages
+            return {}
+        finally:
+            for m in allowed.values():
+                m.__dict__.pop("forward", None)
+        fwd_idx = [j for j, ph in enumerate(rec.phases) if ph == "forward"]
+        wf = _align(fwd_ops, [rec.names[j] for j in fwd_idx])
+        if wf is None:
+            return {}
+        bad = [fwd_idx[j] for k, j in enumerate(wf)
+               if j is not None and rec.grad_modes[fwd_idx[j]] != fwd_ops[k].grad_mode]
+        if not bad:
+            break
+        spans = sorted(((marks[0][1], marks[-1][1], name) for name, (_, marks) in found.items()),
+                       key=lambda t: t[1] - t[0])
+        culprits = {next((name for a, b, name in spans if a <= j < b), None) for j in bad}
+        if None in culprits:
+            return {}
+        for name in culprits:
+            del allowed[name]
+    else:
+        return {}
+    where = _align(ops, rec.names)
+    if where is None:
+        return {}
+    index = {id(r): i for i, r in enumerate(recording.ops)}
+    # light op j -> index in recording.ops of the first recorded op at or after it
+    first_at: dict[int, int] = {}
+    for k in range(len(ops) - 1, -1, -1):
+        if where[k] is not None:
+            first_at[where[k]] = index[id(ops[k])]
+    n_light = len(rec.names)
+    nxt = len(recording.ops)
+    at = [0] * (n_light + 1)
+    at[n_light] = nxt
+    for j in range(n_light - 1, -1, -1):
+        nxt = first_at.get(j, nxt)
+        at[j] = nxt
+    out = {}
+    for name, (sg, marks) in found.items():
+        c = call_of[name]
+        nodes, starts = [], []
+        for (k, j), (_, j_next) in zip(marks, marks[1:], strict=False):
+            if j_next > j and c.start <= at[j] <= c.end and (not starts or at[j] > starts[-1]):
+                nodes.append(k)
+                starts.append(at[j])
+        end = at[marks[-1][1]]
+        if len(starts) < 2 or end > c.end + 1:
+            continue
+        out[name] = Staged(sg.pattern.to_json(), sg.fingerprint, (*nodes, len(sg.exec)),
+                           (*starts, end))
     return out
 
 

@@ -1,0 +1,351 @@
+"""Regions that start and end inside one module's `forward`: its code as a list of stages.
+
+A region applied in place is a module call; the lowest peak such regions reach is set by the
+largest call no smaller call splits (an attention that computes its scores, softmax and dropout
+inline; a U-Net whose skip concatenations sit in the root's forward). To cut inside such a call,
+its `forward` is traced with `torch.fx` symbolic tracing (Python-level, so it does not depend on
+input shapes), every child module kept as one call. The traced nodes run in order by a small
+interpreter; a region is then a run of consecutive nodes, run under checkpoint with the values it
+reads as arguments and the values later nodes read as results.
+
+Tracing only succeeds for code without branches on tensors, iteration over tensors or `**kwargs`
+it cannot bind; where it fails the module simply has no stages. What tracing fixes at trace time
+is made explicit and checked at every call (`Pattern`): which arguments are tensors, the values
+of the others, and the module's training flag. A call that differs runs the module's own
+`forward` (correct, without the inner regions). The recorded step always runs the model's own
+code; the stages are found by a second, light run through the interpreter whose op sequence
+must equal the recorded one (`planner.capture.record`), so a trace that does not reproduce the
+model's ops gives no stages.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["Pattern", "StagedGraph", "call_pattern", "stageable", "trace"]
+
+_TENSOR = "<tensor>"
+
+
+def stageable(module: torch.nn.Module) -> bool:
+    """Modules worth tracing: the user's and libraries' own (not `torch.nn`'s building blocks,
+    whose forward is one op or a library call), with an undecorated forward of the class (no
+    `forward` set on the instance)."""
+    fwd = type(module).forward
+    return (not getattr(fwd, "__module__", "torch").startswith("torch.")
+            and not hasattr(fwd, "__wrapped__")  # a decorator (no_grad, autocast) tracing skips
+            and "forward" not in module.__dict__
+            and not isinstance(module, torch.nn.Sequential))
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """What a trace fixed: each parameter of `forward` that was passed, as ``<tensor>`` or its
+    (JSON) value, and the module's training flag."""
+
+    args: tuple[tuple[str, Any], ...]
+    training: bool
+
+    def to_json(self) -> str:
+        return json.dumps({"args": [list(a) for a in self.args], "training": self.training},
+                          sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str) -> Pattern:
+        d = json.loads(s)
+        return cls(tuple((k, v) for k, v in d["args"]), bool(d["training"]))
+
+
+def _signature(module: torch.nn.Module) -> inspect.Signature | None:
+    try:
+        sig = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())[1:]  # drop self
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        return None
+    return sig.replace(parameters=params)
+
+
+def call_pattern(module: torch.nn.Module, args: tuple, kwargs: dict) -> Pattern | None:
+    """The pattern of one call: None where an argument is neither a tensor nor a JSON scalar
+    (a cache object, a list of tensors), so the call cannot be staged."""
+    sig = _signature(module)
+    if sig is None:
+        return None
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    out = []
+    for name, v in bound.arguments.items():
+        if isinstance(v, torch.Tensor):
+            out.append((name, _TENSOR))
+        elif v is None or isinstance(v, bool | int | float | str):
+            out.append((name, v))
+        else:
+            return None
+    return Pattern(tuple(out), bool(module.training))
+
+
+class _Tracer(fx.Tracer):
+    """Every submodule is one call; buffers are read through the graph (so slicing a causal
+    mask by a traced length works)."""
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return True
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, torch.nn.Parameter):
+            for name, b in self.root.named_buffers():
+                if b is attr_val:
+                    return self.create_proxy("get_attr", name, (), {})
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+
+_EXEC = ("call_module", "call_function", "call_method", "get_attr")
+
+
+class StagedGraph:
+    """A module's traced `forward` for one `Pattern`, and an interpreter that runs it, optionally
+    with runs of nodes (`segments`) under a region runner."""
+
+    def __init__(self, module: torch.nn.Module, pattern: Pattern, graph: fx.Graph):
+        self.pattern = pattern
+        self.graph = graph
+        nodes = list(graph.nodes)
+        self.placeholders = [n for n in nodes if n.op == "placeholder"]
+        self.exec = [n for n in nodes if n.op in _EXEC]
+        self.output = next(n for n in nodes if n.op == "output")
+        self.index = {n: k for k, n in enumerate(self.exec)}
+        # last exec position reading each node (len(exec) for the output)
+        self.last_use: dict[fx.Node, int] = {}
+        for k, n in enumerate(self.exec):
+            for a in n.all_input_nodes:
+                self.last_use[a] = k
+        for a in self.output.all_input_nodes:
+            self.last_use[a] = len(self.exec)
+        self.frees: list[list[fx.Node]] = [[] for _ in self.exec]
+        for n, k in self.last_use.items():
+            if k < len(self.exec):
+                self.frees[k].append(n)
+        self.fingerprint = hashlib.sha1(
+            "\n".join(f"{n.op} {_target(n.target)} {len(n.args)}" for n in nodes).encode()
+        ).hexdigest()[:16]
+        self._io: dict[tuple[int, int], tuple[list[fx.Node], list[fx.Node]]] = {}
+
+    def matches(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+        return call_pattern(module, args, kwargs) == self.pattern
+
+    def _bind(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[fx.Node, Any]:
+        sig = _signature(module)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = list(bound.arguments.values())
+        return dict(zip(self.placeholders, values, strict=True))
+
+    def io(self, i: int, j: int) -> tuple[list[fx.Node], list[fx.Node]]:
+        """Nodes made before exec position i that nodes i..j read (the segment's arguments), and
+        nodes made in i..j that later nodes or the output read (its results)."""
+        key = (i, j)
+        if key not in self._io:
+            inside = set(self.exec[i:j + 1])
+            ins: dict[fx.Node, None] = {}
+            for n in self.exec[i:j + 1]:
+                for a in n.all_input_nodes:
+                    if a not in inside:
+                        ins[a] = None
+            outs = [n for n in self.exec[i:j + 1] if self.last_use.get(n, -1) > j]
+            self._io[key] = (list(ins), outs)
+        return self._io[key]
+
+    def run(self, module: torch.nn.Module, args: tuple, kwargs: dict, *,
+            segments: dict[int, tuple[int, Callable]] | None = None,
+            on_node: Callable[[int], None] | None = None) -> Any:
+        """Run the forward. `segments` maps a first exec position to (last position, runner):
+        the runner is called as ``runner(fn, *arguments)`` and must return ``fn(*arguments)``
+        (a region runner checkpoints it). `on_node(k)` is called before exec node k runs."""
+        env = self._bind(module, args, kwargs)
+        k, n_exec = 0, len(self.exec)
+        while k < n_exec:
+            seg = segments.get(k) if segments else None
+            if seg is not None:
+                j, runner = seg
+                ins, outs = self.io(k, j)
+                fn = _SegmentFn(self, module, k, j)
+                results = runner(fn, *(env[a] for a in ins))
+                env.update(zip(outs, results, strict=True))
+                for p in range(k, j + 1):
+                    for a in self.frees[p]:
+                        env.pop(a, None)
+                k = j + 1
+                continue
+            if on_node is not None:
+                on_node(k)
+            node = self.exec[k]
+            env[node] = _execute(node, env, module)
+            for a in self.frees[k]:
+                env.pop(a, None)
+            k += 1
+        return fx.node.map_arg(self.output.args[0], lambda a: env[a])
+
+
+    def program(self, module: torch.nn.Module,
+                segments: dict[int, tuple[int, Callable]]) -> Callable[..., Any]:
+        """The forward as generated Python (`torch.fx` code generation), each segment a call of
+        ``runner(segment_fn, *arguments)``: plain code that `torch.compile` traces (an
+        interpreter over fx nodes it would not). Takes the forward's arguments bound in
+        signature order; reads submodules and attributes from `module` at every call."""
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for p in self.placeholders:
+            env[p] = g.placeholder(p.name)
+        k, n_exec = 0, len(self.exec)
+        while k < n_exec:
+            seg = segments.get(k)
+            if seg is None:
+                env[self.exec[k]] = g.node_copy(self.exec[k], lambda a: env[a])
+                k += 1
+                continue
+            j, runner = seg
+            ins, outs = self.io(k, j)
+            call = g.call_function(_segment_call(self._segment_code(module, k, j), runner, k),
+                                   tuple(env[a] for a in ins))
+            for idx, o in enumerate(outs):
+                env[o] = g.call_function(operator.getitem, (call, idx))
+            k = j + 1
+        g.output(fx.node.map_arg(self.output.args[0], lambda a: env[a]))
+        fn = _compile(g, module)
+        sig = _signature(module)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return fn(*bound.arguments.values())
+
+        return forward
+
+    def _segment_code(self, module: torch.nn.Module, i: int, j: int) -> Callable[..., Any]:
+        ins, outs = self.io(i, j)
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {a: g.placeholder(a.name) for a in ins}
+        for n in self.exec[i:j + 1]:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        g.output(tuple(env[o] for o in outs))
+        return _compile(g, module)
+
+
+def _compile(g: fx.Graph, module: torch.nn.Module) -> Callable[..., Any]:
+    """Python for graph `g`, `self` bound to `module` (live attribute reads, no copies)."""
+    code = g.python_code(root_module="self")
+    scope = dict(code.globals)
+    exec(compile(code.src, f"<ckpt-planner staged {type(module).__name__}>", "exec"), scope)
+    return functools.partial(scope["forward"], module)
+
+
+def _segment_call(fn: Callable[..., Any], runner: Callable, k: int) -> Callable[..., Any]:
+    def segment(*args: Any) -> Any:
+        return runner(fn, *args)
+
+    segment.__name__ = segment.__qualname__ = f"ckpt_segment_{k}"
+    return segment
+
+
+class _SegmentFn:
+    """Exec nodes i..j of a staged graph as a function of the segment's arguments."""
+
+    def __init__(self, sg: StagedGraph, module: torch.nn.Module, i: int, j: int):
+        self.sg, self.module, self.i, self.j = sg, module, i, j
+
+    def __call__(self, *values: Any) -> tuple[Any, ...]:
+        sg = self.sg
+        ins, outs = sg.io(self.i, self.j)
+        env = dict(zip(ins, values, strict=True))
+        keep = set(outs)
+        for k in range(self.i, self.j + 1):
+            node = sg.exec[k]
+            env[node] = _execute(node, env, self.module)
+            for a in sg.frees[k]:
+                if a not in keep:
+                    env.pop(a, None)
+        return tuple(env[n] for n in outs)
+
+
+def _target(t: Any) -> str:
+    if isinstance(t, str):
+        return t
+    return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', repr(t))}"
+
+
+def _execute(node: fx.Node, env: dict, module: torch.nn.Module) -> Any:
+    args = fx.node.map_arg(node.args, lambda a: env[a])
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, node.target)(*rest, **kwargs)
+    if node.op == "call_module":
+        return module.get_submodule(node.target)(*args, **kwargs)
+    # get_attr
+    obj: Any = module
+    for part in node.target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
+    """The module's forward traced for `pattern`, or None where symbolic tracing fails or the
+    trace would change the module (it made tensor constants, or set attributes)."""
+    concrete = {k: v for k, v in pattern.args if v != _TENSOR}
+    sig = _signature(module)
+    if sig is None:
+        return None
+    # parameters not passed keep their defaults: trace them as concrete too
+    for name, p in sig.parameters.items():
+        if name not in dict(pattern.args):
+            if p.default is inspect.Parameter.empty:
+                return None
+            if not (p.default is None or isinstance(p.default, bool | int | float | str)):
+                return None
+            concrete[name] = p.default
+    saved = dict(module.__dict__)
+    tracer = _Tracer()
+    try:
+        module.training = pattern.training  # this module's flag only; children are calls
+        with torch.no_grad():
+            graph = tracer.trace(module, concrete_args=concrete or None)
+    except Exception:  # noqa: BLE001 - any failure of symbolic tracing means "no stages"
+        return None
+    finally:
+        added = set(module.__dict__) - set(saved)
+        for k in added:
+            del module.__dict__[k]
+        module.__dict__.update(saved)
+    if added:
+        return None
+    for n in graph.nodes:
+        if n.op == "get_attr" and _resolves(module, n.target) is None:
+            return None
+        if n.op == "call_function" and n.target in (operator.setitem,):
+            return None  # in-place Python writes into arguments
+    return StagedGraph(module, pattern, graph)
+
+
+def _resolves(module: torch.nn.Module, target: str) -> Any:
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj

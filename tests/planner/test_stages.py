@@ -1,0 +1,205 @@
+"""Regions inside a module's forward (`planner.stages`): traced forwards cut into runs of nodes.
+
+What tracing fixes is checked at every call; what it cannot see (a value-dependent branch, a
+`torch.no_grad` block, `**kwargs`) gives no stages rather than wrong ones.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import planner
+from planner.inplace import StagedForward, applied, apply_schedule
+from planner.stages import call_pattern, trace
+from solvers.chain import bind, candidate_calls, region
+from solvers.errors import ScheduleError
+from solvers.schedule import Schedule
+from solvers.simulate import simulate
+from tests.models import gpt_eager
+from tests.planner.test_inplace import assert_grads_close, loss_and_grads
+
+pytestmark = pytest.mark.slow
+
+GPT = dict(batch=2, seq=32, dim=32, heads=4, layers=2, vocab=64)
+
+
+def _staged_schedule(prof, module: str) -> Schedule:
+    """Every other useful run of two stages of `module`'s traced forward."""
+    spans = [s for s in candidate_calls(prof) if s.call.module == module and s.staged
+             and s.segment is not None]
+    chosen, end = [], -1
+    for s in sorted(spans, key=lambda s: (s.a, s.b)):
+        if s.a > end and s.segment[1] - s.segment[0] >= 1:
+            chosen.append(s)
+            end = s.b
+    assert len(chosen) >= 2, spans
+    return Schedule(regions=bind(prof, tuple(region(prof, s.a, s.b) for s in chosen)))
+
+
+def test_runs_inside_attention_train_identically_and_predict_the_peak():
+    model, x = gpt_eager(**GPT)
+    prof = planner.profile(model, x, repeats=1)
+    attn = next(c for c in prof.calls if c.module == "blocks.0.attn")
+    assert len(attn.stages) > 5
+    _, g0 = loss_and_grads(model, x)
+    sched = _staged_schedule(prof, "blocks.0.attn")
+    apply_schedule(model, sched)
+    try:
+        assert isinstance(model.blocks[0].attn.__dict__["forward"], StagedForward)
+        _, g1 = loss_and_grads(model, x)
+        measured = planner.measure(model, x, repeats=1).peak_bytes
+    finally:
+        planner.remove(model)
+    assert "forward" not in model.blocks[0].attn.__dict__
+    assert_grads_close(g0, g1)
+    predicted = simulate(prof, sched).peak_bytes
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+
+
+def test_a_saved_staged_schedule_applies_to_a_fresh_model_and_a_deep_copy(tmp_path):
+    model, x = gpt_eager(**GPT)
+    prof = planner.profile(model, x, repeats=1)
+    sched = _staged_schedule(prof, "blocks.1.attn")
+    path = sched.save(tmp_path / "s.json")
+    fresh, _ = gpt_eager(**GPT)
+    _, g0 = loss_and_grads(fresh, x)
+    planner.apply(fresh, path)
+    assert applied(fresh).schedule.regions == sched.regions
+    _, g1 = loss_and_grads(fresh, x)
+    twin = copy.deepcopy(fresh)
+    _, g2 = loss_and_grads(twin, x)
+    assert twin.blocks[1].attn.__dict__["forward"].module is twin.blocks[1].attn
+    assert_grads_close(g0, g1)
+    assert_grads_close(g0, g2)
+
+
+def test_calls_the_trace_was_not_made_for_run_the_modules_own_forward():
+    model, x = gpt_eager(**GPT)
+    prof = planner.profile(model, x, repeats=1)
+    apply_schedule(model, _staged_schedule(prof, "blocks.0.attn"))
+    attn = model.blocks[0].attn
+    h = torch.randn(2, 16, 32)  # a shorter sequence: the trace does not depend on shapes
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        y_planned = attn(h)
+    model.eval()  # another training flag than traced: the module's own forward
+    assert not attn.__dict__["forward"].graph.matches(attn, (h,), {})
+    y_eval = attn(h)
+    model.train()
+    planner.remove(model)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        y_own = attn(h)
+    torch.testing.assert_close(y_planned, y_own)
+    model.eval()
+    torch.testing.assert_close(y_eval, attn(h))
+
+
+def test_a_schedule_for_other_code_is_refused():
+    model, x = gpt_eager(**GPT)
+    prof = planner.profile(model, x, repeats=1)
+    sched = _staged_schedule(prof, "blocks.0.attn")
+    other, _ = gpt_eager(**GPT)
+
+    class Changed(type(other.blocks[0].attn)):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    other.blocks[0].attn.__class__ = Changed
+    with pytest.raises(ScheduleError, match="no longer traces as it did"):
+        apply_schedule(other, sched)
+    assert applied(other) is None
+
+
+class _NoGradInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.register_buffer("ema", torch.zeros(16))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            t = torch.sigmoid(self.b(h)) * 2
+        return torch.tanh(h * t)
+
+
+class _ValueBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if h.sum() > 0:  # tracing cannot take this branch
+            h = h * 2
+        return torch.tanh(h)
+
+
+class _Kwargs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x, **kwargs):
+        return torch.tanh(self.a(x) * kwargs.get("scale", 1.0))
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.no_grad = _NoGradInside()
+        self.branch = _ValueBranch()
+        self.kw = _Kwargs()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.kw(self.branch(self.no_grad(F.gelu(x))), scale=0.5)
+        return self.head(torch.tanh(h) * h)
+
+
+def test_code_tracing_cannot_see_gives_no_stages():
+    torch.manual_seed(0)
+    model, x = _Outer(), torch.randn(8, 16)
+    before = {n: set(m.__dict__) for n, m in model.named_modules()}
+    prof = planner.profile(model, x, repeats=1)
+    staged = {c.module for c in prof.calls if c.stages}
+    assert "" in staged  # the root traces, its children are calls
+    assert not staged & {"no_grad", "branch", "kw"}
+    assert {n: set(m.__dict__) for n, m in model.named_modules()} == before
+    # the root's runs still apply, with the no_grad child as one call inside them
+    _, g0 = loss_and_grads(model, x)
+    spans = [s for s in candidate_calls(prof) if s.call.module == "" and s.segment is not None]
+    s = max(spans, key=lambda s: s.b - s.a)
+    apply_schedule(model, Schedule(regions=bind(prof, (region(prof, s.a, s.b),))))
+    _, g1 = loss_and_grads(model, x)
+    planner.remove(model)
+    assert_grads_close(g0, g1)
+
+
+def test_trace_fixes_non_tensor_arguments_and_checks_them():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x, mask=None, scale: float = 1.0):
+            if mask is not None:
+                x = x.masked_fill(mask, 0.0)
+            return self.a(x) * scale
+
+    m, x = M(), torch.randn(2, 4)
+    pat = call_pattern(m, (x,), {"scale": 2.0})
+    sg = trace(m, pat)
+    assert sg is not None
+    assert sg.matches(m, (x,), {"scale": 2.0})
+    assert not sg.matches(m, (x,), {"scale": 3.0})
+    assert not sg.matches(m, (x, torch.ones(2, 4, dtype=torch.bool)), {"scale": 2.0})
+    torch.testing.assert_close(sg.run(m, (x,), {"scale": 2.0}), m(x, scale=2.0))
+    assert call_pattern(m, (x, [1, 2]), {}) is None  # a list argument: not staged
