@@ -36,6 +36,7 @@ from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
 from planner.profiling import profile
+from solvers.chain import module_calls_only
 from solvers.distributed import per_rank
 from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
@@ -359,6 +360,9 @@ SPREAD_DRAWS = 4
 when no other batches are given."""
 MARGIN_ROUNDS = 3
 """Re-plans at most, each with the margin the measured peaks asked for."""
+COMPILED_ROUNDS = 5
+"""Eager budgets `plan(compile=...)` tries at most; a budget giving a schedule already measured
+costs no compilation."""
 
 
 def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_fn,
@@ -434,28 +438,44 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
         apply_schedule(model, none)
         return dataclasses.replace(p, schedule=none, compiled_peak_bytes=unplanned,
                                    compiled_backend=backend, margin_bytes=0)
-    plans: dict[int, tuple[Plan, int]] = {}
-
-    def try_at(b: int) -> int | None:
-        remove(model)
-        try:
-            q = plan_from_profile(model, prof, budget_bytes=b + offset, method=method,
-                                  time_limit_s=time_limit_s)
-        except InfeasibleBudgetError:
-            return None
-        peak = compiled_peak(model, example_inputs, loss_fn, backend, autocast).peak_bytes
-        plans[b] = (q, peak)
-        return peak
-
     eager_none = simulate(local if local is not None else prof).peak_bytes
-    b = compiled_budget(target, eager_none, unplanned, try_at, MARGIN_ROUNDS)
+    # Regions inside traced forwards, compiled, can keep more than their eager replay (measured
+    # on a U-Net: 73.8 MiB compiled for plans that peak at 67.7 MiB eager). When no plan with them
+    # fits compiled, the search is repeated with module-call regions only.
+    variants = [prof]
+    if any(c.stages for c in prof.calls):
+        variants.append(module_calls_only(prof))
+    tried: dict[int, int] = {}
+    b = None
+    for variant in variants:
+        plans: dict[int, tuple[Plan, int]] = {}
+
+        def try_at(b: int, variant: Profile = variant,
+                    plans: dict[int, tuple[Plan, int]] = plans) -> int | None:
+            remove(model)
+            try:
+                q = plan_from_profile(model, variant, budget_bytes=b + offset, method=method,
+                                      time_limit_s=time_limit_s)
+            except InfeasibleBudgetError:
+                return None
+            again = next((pk for k, (o, pk) in plans.items()
+                          if o.schedule.regions == q.schedule.regions), None)
+            peak = again if again is not None else compiled_peak(
+                model, example_inputs, loss_fn, backend, autocast).peak_bytes
+            plans[b] = (q, peak)
+            return peak
+
+        b = compiled_budget(target, eager_none, unplanned, try_at, COMPILED_ROUNDS)
+        tried.update({k: pk for k, (_, pk) in plans.items()})
+        if b is not None:
+            break
     if b is None:
         remove(model)
-        tried = ", ".join(f"{format_bytes(pk)} (planned for {format_bytes(k)})"
-                          for k, (_, pk) in plans.items()) or "no plan reached the budget"
+        shown = ", ".join(f"{format_bytes(pk)} (planned for {format_bytes(k)})"
+                          for k, pk in tried.items()) or "no plan reached the budget"
         raise InfeasibleBudgetError(
             f"under torch.compile(backend={backend!r}) no plan fits {format_bytes(budget)}: "
-            f"measured compiled peaks {tried}; the compiled step without a plan peaks at "
+            f"measured compiled peaks {shown}; the compiled step without a plan peaks at "
             f"{format_bytes(unplanned)}. Raise the budget, or plan without compile= and check "
             "the compiled step yourself")
     q, peak = plans[b]

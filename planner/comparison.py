@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
-from planner.api import SLACK_BYTES, InfeasibleBudgetError, compiled_budget
+from planner.api import COMPILED_ROUNDS, SLACK_BYTES, InfeasibleBudgetError, compiled_budget
 from planner.inplace import applied, apply_schedule, remove
 from planner.measurement import measure
 from planner.profiling import profile
+from solvers.chain import module_calls_only
 from solvers.errors import CkptPlannerError
 from solvers.profile import Profile
 from solvers.schedule import Schedule
@@ -786,10 +787,14 @@ def compare(
                 target = budgets[f] - SLACK_BYTES
                 tried: dict[int, tuple[Schedule, Any, int]] = {}
 
-                def try_at(b: int, backend=backend, tried=tried) -> int | None:
-                    s = _solve_with_slack(prof, b, time_limit_s)
+                def try_at(b: int, backend=backend, tried=tried, variant=prof) -> int | None:
+                    s = _solve_with_slack(variant, b, time_limit_s)
                     if not s.feasible:
                         return None
+                    again = next((v for v in tried.values() if v[0].regions == s.regions), None)
+                    if again is not None:  # the same schedule: measured already
+                        tried[b] = again
+                        return again[2]
                     twin = apply_schedule(copy.deepcopy(model), s)
                     module = torch.compile(twin, backend=backend)
                     peak = measure(module, example_inputs, loss_fn, repeats=1).peak_bytes
@@ -807,7 +812,14 @@ def compare(
                         row.method, row.regions = f"{backend}, none", 0
                         row.predicted_extra_pct = 0.0
                     else:
-                        b = compiled_budget(target, eager_none, unplanned_peak, try_at, 3)
+                        b = compiled_budget(target, eager_none, unplanned_peak, try_at,
+                                            COMPILED_ROUNDS)
+                        if b is None and any(c.stages for c in prof.calls):
+                            # as plan(compile=): again with module-call regions only
+                            flat = module_calls_only(prof)
+                            b = compiled_budget(target, eager_none, unplanned_peak,
+                                                lambda b, t=try_at, v=flat: t(b, variant=v),
+                                                COMPILED_ROUNDS)
                         if b is not None or tried:  # the fit, or the last try, measured
                             s, module, _ = tried[b] if b is not None else [*tried.values()][-1]
                             row.method = f"{backend}, {s.method}"

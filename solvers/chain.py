@@ -503,6 +503,14 @@ def _stage_spans(profile: Profile, c: ModuleCall) -> list[CallSpan]:
     return out
 
 
+def module_calls_only(profile: Profile) -> Profile:
+    """`profile` without the stages of traced forwards: regions are then module calls and runs of
+    `nn.Sequential` children only."""
+    calls = tuple(dataclasses.replace(c, staged="", stages=(), stage_last=(), stage_nodes=(),
+                                      stage_limits=()) for c in profile.calls)
+    return dataclasses.replace(profile, calls=calls)
+
+
 def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
     """Regions of a recorded profile with the module each one wraps, the selective policy's keys,
     and whether its replay needs the RNG state or copies of buffers. A region that is no

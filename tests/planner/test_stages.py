@@ -15,6 +15,7 @@ from torch import nn
 
 import planner
 from planner.inplace import StagedForward, applied, apply_schedule
+from planner.measurement import Measurement
 from planner.stages import call_pattern, trace
 from solvers.chain import bind, candidate_calls, region
 from solvers.errors import ScheduleError
@@ -203,3 +204,36 @@ def test_trace_fixes_non_tensor_arguments_and_checks_them():
     assert not sg.matches(m, (x, torch.ones(2, 4, dtype=torch.bool)), {"scale": 2.0})
     torch.testing.assert_close(sg.run(m, (x,), {"scale": 2.0}), m(x, scale=2.0))
     assert call_pattern(m, (x, [1, 2]), {}) is None  # a list argument: not staged
+
+
+def test_compiled_planning_falls_back_to_module_calls_when_staged_runs_do_not_fit(monkeypatch):
+    """plan(compile=...) measures compiled peaks; where no plan with runs of traced forwards
+    fits compiled (a compiled run can keep more than its eager replay), it searches again with
+    module-call regions only. Compiled peaks are stubbed here: with runs too high, without them
+    the plan's eager prediction."""
+    import planner.api as api
+
+    model, x = gpt_eager(**GPT)
+    prof = planner.profile(model, x, repeats=1)
+    n = simulate(prof).peak_bytes
+    budget = int(prof.fixed_bytes + 0.8 * (n - prof.fixed_bytes))
+    seen = []
+
+    def fake_compiled_peak(m, *args, **kwargs):
+        plan = applied(m)
+        regions = plan.schedule.regions if plan is not None else ()
+        staged = any(r.staged for r in regions)
+        seen.append(staged)
+        peak = n if not regions or staged else plan.schedule.predicted_peak_bytes
+        return Measurement(peak_bytes=peak, retained_bytes=0, step_ms=1.0,
+                           fixed_bytes=prof.fixed_bytes)
+
+    monkeypatch.setattr(api, "compiled_peak", fake_compiled_peak)
+    p = planner.plan(model, budget_bytes=budget, example_inputs=x, compile="aot_eager",
+                     repeats=1)
+    try:
+        assert p.schedule.regions and not any(r.staged for r in p.schedule.regions)
+        assert True in seen and seen[-1] is False  # runs were tried first, then module calls
+        assert p.compiled_peak_bytes <= budget
+    finally:
+        planner.remove(model)
