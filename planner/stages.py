@@ -99,15 +99,16 @@ def call_pattern(module: torch.nn.Module, args: tuple, kwargs: dict) -> Pattern 
 
 
 class _Tracer(fx.Tracer):
-    """Every submodule is one call; buffers are read through the graph (so slicing a causal
-    mask by a traced length works)."""
+    """Every submodule is one call; buffers (and parameters that are plain tensors) are read
+    through the graph (so slicing a causal mask by a traced length works)."""
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return True
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
         if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, torch.nn.Parameter):
-            for name, b in self.root.named_buffers():
+            # a buffer, or a parameter swapped for a plain tensor (estimate mode's fakes)
+            for name, b in (*self.root.named_buffers(), *self.root.named_parameters()):
                 if b is attr_val:
                     return self.create_proxy("get_attr", name, (), {})
         return super().getattr(attr, attr_val, parameter_proxy_cache)

@@ -237,3 +237,17 @@ def test_compiled_planning_falls_back_to_module_calls_when_staged_runs_do_not_fi
         assert p.compiled_peak_bytes <= budget
     finally:
         planner.remove(model)
+
+
+def test_estimate_mode_stages_the_same_modules_as_measure_mode():
+    """Estimate mode swaps parameters for fake plain tensors; they are read through the trace
+    like parameters, so an offline (estimate) profile cuts inside the same forwards."""
+    from tests.models import hf_llama
+
+    m, x = hf_llama(batch=2, seq=32, layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
+                    vocab=128)
+    measured = planner.profile(m, x, repeats=1)
+    estimated = planner.profile(m, x, mode="estimate", device="H100")
+    staged = {c.module: c.stage_nodes for c in measured.calls if c.stages}
+    assert "model.layers.0.post_attention_layernorm" in staged
+    assert {c.module: c.stage_nodes for c in estimated.calls if c.stages} == staged
