@@ -486,16 +486,25 @@ def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
 
 def _stage_spans(profile: Profile, c: ModuleCall) -> list[CallSpan]:
     """Runs of consecutive stages of a staged call (`planner.stages`) that can be one region:
-    within the stage's limit, and not the whole call (that is the call's own span)."""
-    pos = graph_index(profile).position
+    within the stage's limit, and not the whole call (that is the call's own span). A stage that
+    allocates nothing (views, reshapes) joins the stage after it: a run starting or ending at it
+    keeps and replays the same bytes as the run moved to the next allocating stage."""
+    g = graph_index(profile)
+    pos = g.position
     n = len(c.stages)
     starts = [pos(x) for x in c.stages]
     lasts = [pos(x) for x in c.stage_last]
+    allocates = [any(g.new[g.forward[k]] for k in range(a, b + 1))
+                 for a, b in zip(starts, lasts, strict=True)]
     within = [(pos(k.start), pos(k.end), k.buffers) for k in profile.calls
               if k.buffers and starts[0] <= pos(k.start) and pos(k.end) <= lasts[-1]]
     out = []
     for i in range(n):
+        if i and not allocates[i]:
+            continue
         for j in range(i, c.stage_limits[i] + 1):
+            if j + 1 < n and not allocates[j + 1]:
+                continue
             a, b = starts[i], lasts[j]
             buffers = sorted({x for ka, kb, bs in within if a <= ka and kb <= b for x in bs})
             out.append(CallSpan(c, a, b, (c.stage_nodes[i], c.stage_nodes[j + 1] - 1),
