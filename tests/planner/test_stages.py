@@ -251,3 +251,25 @@ def test_estimate_mode_stages_the_same_modules_as_measure_mode():
     staged = {c.module: c.stage_nodes for c in measured.calls if c.stages}
     assert "model.layers.0.post_attention_layernorm" in staged
     assert {c.module: c.stage_nodes for c in estimated.calls if c.stages} == staged
+
+
+def test_runs_of_a_traced_forward_compile_fullgraph_and_train_like_eager():
+    """The staged forward is generated Python, so dynamo traces it whole: runs inside an
+    attention, compiled with fullgraph=True, give the eager planned model's gradients and no
+    graph break."""
+    from torch._dynamo.utils import counters
+
+    model, x = gpt_eager(**GPT)
+    prof = planner.profile(model, x, repeats=1)
+    apply_schedule(model, _staged_schedule(prof, "blocks.0.attn"))
+    try:
+        _, g_eager = loss_and_grads(model, x)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        _, g_compiled = loss_and_grads(compiled, x)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+    finally:
+        planner.remove(model)
+        torch._dynamo.reset()
+    assert_grads_close(g_eager, {k.removeprefix("_orig_mod."): v for k, v in g_compiled.items()})
