@@ -335,6 +335,8 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
         module.__dict__.update(saved)
     if added:
         return None
+    if sum(1 for n in graph.nodes if n.op == "placeholder") != len(sig.parameters):
+        return None  # the trace flattened an argument: calls could not be bound to it
     for n in graph.nodes:
         if n.op == "get_attr" and _resolves(module, n.target) is None:
             return None
