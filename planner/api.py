@@ -581,6 +581,7 @@ def plan(
     world_size: int | None = None,
     fsdp: bool = False,
     fsdp_units: Sequence[str] | None = None,
+    trace_forwards: bool = True,
     progress: bool = False,
 ) -> Plan:
     """Plan activation checkpointing for `model` so that a training step fits the budget, and
@@ -618,6 +619,9 @@ def plan(
             than one rank: DDP (full replicas plus its gradient buckets).
         fsdp_units: the modules you will `fully_shard` besides the root (default: each repeated
             block, e.g. every transformer layer); a region never spans two of them.
+        trace_forwards: let regions start inside a module's forward, which is traced with
+            `torch.fx` for that (`planner.stages`); False keeps every region a module call (or a
+            run of an `nn.Sequential`'s children) and runs only your own forwards.
 
     Under torch.distributed, `plan` is collective: call it on every rank (as `fully_shard` and
     DDP are); every rank applies rank 0's schedule.
@@ -643,7 +647,8 @@ def plan(
     world, sharding = _data_parallel(given, world_size, fsdp, fsdp_units)
     t0 = time.perf_counter()
     local = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
-                    repeats=repeats, autocast=autocast, progress=progress)
+                    repeats=repeats, autocast=autocast, trace_forwards=trace_forwards,
+                    progress=progress)
     prof = local
     if sharding:
         try:

@@ -164,6 +164,7 @@ def profile(
     device: str | DeviceSpec | None = None,
     repeats: int = 5,
     autocast: torch.dtype | None = None,
+    trace_forwards: bool = True,
     progress: bool = False,
 ) -> Profile:
     """Profile one training step of `model` on `example_inputs`.
@@ -186,6 +187,9 @@ def profile(
         device: estimate mode: a name from `planner.devices.DEVICES` (``"h100"``) or a DeviceSpec.
         autocast: a dtype (``torch.bfloat16``) to run forward and loss under ``torch.autocast``,
             backward outside, as you train with mixed precision; None for no autocast.
+        trace_forwards: trace each module's forward with `torch.fx` (one more light run of the
+            step) so that regions can start inside it (`planner.stages`); False: regions are
+            module calls and runs of `nn.Sequential` children only.
         progress: print what it is doing to stderr.
     """
     if mode not in ("measure", "estimate"):
@@ -200,7 +204,8 @@ def profile(
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):  # the user's RNG streams do not move
         prof = _profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, mode=mode,
-                        device=device, repeats=repeats, autocast=autocast, progress=progress)
+                        device=device, repeats=repeats, autocast=autocast,
+                        trace_forwards=trace_forwards, progress=progress)
     if autocast is not None:
         prof = dataclasses.replace(prof, meta=dataclasses.replace(
             prof.meta, autocast=str(autocast).removeprefix("torch.")))
@@ -208,7 +213,7 @@ def profile(
 
 
 def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats, autocast,
-             progress) -> Profile:
+             trace_forwards, progress) -> Profile:
     say = _Progress(progress)
     dtype = dominant_dtype(model)
     target = device if isinstance(device, DeviceSpec) else get_device(device or "h100")
@@ -236,7 +241,7 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
         say(f"recording one step on fake tensors ({spec_dev.name} estimate)")
         kernels = gpu_kernels() if spec_dev.kind != "cpu" else contextlib.nullcontext()
         with fake_mode, kernels:
-            rec = record_step(spec, fake=True)
+            rec = record_step(spec, fake=True, stages=trace_forwards)
         roofline_times(rec.ops, spec_dev, dtype)  # each op at its own dtype, else the model's
         say(f"recorded {len(rec.ops)} ops")
         return to_profile(
@@ -255,7 +260,7 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
     spec = step_spec(model, example_inputs, loss_fn, autocast)
     say("recording one training step (forward, loss, backward)")
     rec = record_step(spec, timing_repeats=max(1, repeats), workspace=dev.type == "cpu",
-                      device=dev)
+                      device=dev, stages=trace_forwards)
     say(f"recorded {len(rec.ops)} ops; calibrating checkpoint's own cost")
     prof = to_profile(
         rec, model_class=model_class, device=dev.type, device_name=device_name(dev),

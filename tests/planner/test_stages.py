@@ -273,3 +273,17 @@ def test_runs_of_a_traced_forward_compile_fullgraph_and_train_like_eager():
         planner.remove(model)
         torch._dynamo.reset()
     assert_grads_close(g_eager, {k.removeprefix("_orig_mod."): v for k, v in g_compiled.items()})
+
+
+def test_trace_forwards_false_keeps_regions_to_module_calls():
+    model, x = gpt_eager(**GPT)
+    before = {n: set(m.__dict__) for n, m in model.named_modules()}
+    prof = planner.profile(model, x, repeats=1, trace_forwards=False)
+    assert not any(c.stages for c in prof.calls)
+    least = planner.plan(model, example_inputs=x, repeats=1, trace_forwards=False)
+    try:
+        assert least.schedule.regions
+        assert not any(r.staged for r in least.schedule.regions)
+    finally:
+        planner.remove(model)
+    assert {n: set(m.__dict__) for n, m in model.named_modules()} == before
