@@ -4,9 +4,10 @@ A region applied in place is a module call; the lowest peak such regions reach i
 largest call no smaller call splits (an attention that computes its scores, softmax and dropout
 inline; a U-Net whose skip concatenations sit in the root's forward). To cut inside such a call,
 its `forward` is traced with `torch.fx` symbolic tracing (Python-level, so it does not depend on
-input shapes), every child module kept as one call. The traced nodes run in order by a small
-interpreter; a region is then a run of consecutive nodes, run under checkpoint with the values it
-reads as arguments and the values later nodes read as results.
+input shapes), every child module kept as one call. A region is then a run of consecutive nodes;
+a planned module runs the traced code as generated Python (`StagedGraph.program`, which
+`torch.compile` traces like any code), each run under checkpoint with the values it reads as
+arguments and the values later nodes read as results.
 
 Tracing only succeeds for code without branches on tensors, iteration over tensors or `**kwargs`
 it cannot bind; where it fails the module simply has no stages. What tracing fixes at trace time
@@ -118,8 +119,9 @@ _EXEC = ("call_module", "call_function", "call_method", "get_attr")
 
 
 class StagedGraph:
-    """A module's traced `forward` for one `Pattern`, and an interpreter that runs it, optionally
-    with runs of nodes (`segments`) under a region runner."""
+    """A module's traced `forward` for one `Pattern`: an interpreter that runs it node by node
+    (to find where each node's ops start), and `program`, the same code as generated Python with
+    runs of nodes under a region runner (what a plan runs)."""
 
     def __init__(self, module: torch.nn.Module, pattern: Pattern, graph: fx.Graph):
         self.pattern = pattern
@@ -171,33 +173,16 @@ class StagedGraph:
         return self._io[key]
 
     def run(self, module: torch.nn.Module, args: tuple, kwargs: dict, *,
-            segments: dict[int, tuple[int, Callable]] | None = None,
             on_node: Callable[[int], None] | None = None) -> Any:
-        """Run the forward. `segments` maps a first exec position to (last position, runner):
-        the runner is called as ``runner(fn, *arguments)`` and must return ``fn(*arguments)``
-        (a region runner checkpoints it). `on_node(k)` is called before exec node k runs."""
+        """Run the forward node by node (the stage run of `planner.capture.record`), calling
+        `on_node(k)` before exec node k runs."""
         env = self._bind(module, args, kwargs)
-        k, n_exec = 0, len(self.exec)
-        while k < n_exec:
-            seg = segments.get(k) if segments else None
-            if seg is not None:
-                j, runner = seg
-                ins, outs = self.io(k, j)
-                fn = _SegmentFn(self, module, k, j)
-                results = runner(fn, *(env[a] for a in ins))
-                env.update(zip(outs, results, strict=True))
-                for p in range(k, j + 1):
-                    for a in self.frees[p]:
-                        env.pop(a, None)
-                k = j + 1
-                continue
+        for k, node in enumerate(self.exec):
             if on_node is not None:
                 on_node(k)
-            node = self.exec[k]
             env[node] = _execute(node, env, module)
             for a in self.frees[k]:
                 env.pop(a, None)
-            k += 1
         return fx.node.map_arg(self.output.args[0], lambda a: env[a])
 
 
@@ -260,26 +245,6 @@ def _segment_call(fn: Callable[..., Any], runner: Callable, k: int) -> Callable[
 
     segment.__name__ = segment.__qualname__ = f"ckpt_segment_{k}"
     return segment
-
-
-class _SegmentFn:
-    """Exec nodes i..j of a staged graph as a function of the segment's arguments."""
-
-    def __init__(self, sg: StagedGraph, module: torch.nn.Module, i: int, j: int):
-        self.sg, self.module, self.i, self.j = sg, module, i, j
-
-    def __call__(self, *values: Any) -> tuple[Any, ...]:
-        sg = self.sg
-        ins, outs = sg.io(self.i, self.j)
-        env = dict(zip(ins, values, strict=True))
-        keep = set(outs)
-        for k in range(self.i, self.j + 1):
-            node = sg.exec[k]
-            env[node] = _execute(node, env, self.module)
-            for a in sg.frees[k]:
-                if a not in keep:
-                    env.pop(a, None)
-        return tuple(env[n] for n in outs)
 
 
 def _target(t: Any) -> str:
