@@ -120,7 +120,7 @@ def compare_nb() -> nbformat.NotebookNode:
             "{0.8, 0.5, 0.2, 0}, and our plans at each baseline's measured peak (iso-memory) and "
             "over a sweep of budgets (fractions of the activation memory). CPU step times move "
             "by 5-10 points between runs: the table gives medians and their spread.\n\n"
-            "Full sizes are `benchmarks/cpu_sizes.py` (a step takes 0.1-0.5 s on the 2-core "
+            "Full sizes are `benchmarks/cpu_sizes.py` (a step takes 0.06-0.5 s on the 2-core "
             "development CPU); measuring them all takes about 40 minutes "
             "(`benchmarks/run_compare.sh`, which also measures `torch.compile(backend="
             "'inductor')`, our plans compiled, and the make_fx graph plans). At full sizes this "

@@ -424,6 +424,13 @@ def compiled_budget(budget: int, eager_none: int, unplanned: int,
     return None
 
 
+def compile_variants(prof: Profile) -> list[Profile]:
+    """The profiles a compiled-budget search plans from, in turn: `prof`, then, where it has
+    runs of traced forwards, `prof` with module-call regions only. Inductor can keep more of a
+    run than its eager replay, so where no plan with runs fits compiled, one without may."""
+    return [prof, module_calls_only(prof)] if any(c.stages for c in prof.calls) else [prof]
+
+
 def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autocast, backend,
                   method, time_limit_s) -> Plan:
     """The cheapest plan whose compiled step peaks within the budget less the slack, measured
@@ -439,15 +446,9 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
         return dataclasses.replace(p, schedule=none, compiled_peak_bytes=unplanned,
                                    compiled_backend=backend, margin_bytes=0)
     eager_none = simulate(local if local is not None else prof).peak_bytes
-    # Regions inside traced forwards, compiled, can keep more than their eager replay (measured
-    # on a U-Net: 73.8 MiB compiled for plans that peak at 67.7 MiB eager). When no plan with them
-    # fits compiled, the search is repeated with module-call regions only.
-    variants = [prof]
-    if any(c.stages for c in prof.calls):
-        variants.append(module_calls_only(prof))
     tried: dict[int, int] = {}
     b = None
-    for variant in variants:
+    for variant in compile_variants(prof):
         plans: dict[int, tuple[Plan, int]] = {}
 
         def try_at(b: int, variant: Profile = variant,

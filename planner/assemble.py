@@ -40,14 +40,7 @@ def call_blockers(rec: Recording) -> list[str]:
       would store it again.
     """
     per_module = Counter(c.module for c in rec.calls)
-    made_at: dict[int, int] = {}
-    for i, r in enumerate(rec.ops):
-        for s in r.new_storages:
-            made_at[s] = i
-    buffer_storages = {r.storage for r in rec.ops if _is_buffer(r)}
-    # prefix sums of "first blocking op at or after i" are overkill here: spans nest, so scan
-    writes = [(i, s) for i, r in enumerate(rec.ops) if r.phase == "forward" for s in r.writes
-              if s not in buffer_storages]
+    made_at, writes = _writes(rec)
     out = []
     for c in rec.calls:
         if per_module[c.module] > 1:
@@ -66,23 +59,31 @@ def call_blockers(rec: Recording) -> list[str]:
     return out
 
 
-def _stage_fields(rec: Recording, st: Staged) -> dict:
-    """The `ModuleCall` stage fields of a staged call: stage spans as node names, and how far a
-    region starting at each stage may reach before an in-place write to a tensor made before
-    its start (other than a buffer) would be replayed twice."""
-    names = [r.name for r in rec.ops]
-    starts, stop = list(st.ops[:-1]), st.ops[-1]
-    lasts = [nxt - 1 for nxt in (*starts[1:], stop)]
+def _writes(rec: Recording) -> tuple[dict[int, int], list[tuple[int, int]]]:
+    """The op each storage is made at, and the forward ops' in-place writes (op, storage) to
+    anything but a module buffer: a region holding such a write to a tensor made before it
+    would apply it twice."""
     made_at: dict[int, int] = {}
     for i, r in enumerate(rec.ops):
         for s in r.new_storages:
             made_at[s] = i
-    buffers = {r.storage for r in rec.ops if _is_buffer(r)}
-    writes = [(i, s) for i in range(starts[0], stop) for s in rec.ops[i].writes
-              if s not in buffers]
+    buffer_storages = {r.storage for r in rec.ops if _is_buffer(r)}
+    writes = [(i, s) for i, r in enumerate(rec.ops) if r.phase == "forward" for s in r.writes
+              if s not in buffer_storages]
+    return made_at, writes
+
+
+def _stage_fields(rec: Recording, st: Staged, names: list[str], made_at: dict[int, int],
+                  writes: list[tuple[int, int]]) -> dict:
+    """The `ModuleCall` stage fields of a staged call: stage spans as node names, and how far a
+    region starting at each stage may reach before one of `writes` (`_writes`) to a tensor made
+    before its start."""
+    starts, stop = list(st.ops[:-1]), st.ops[-1]
+    lasts = [nxt - 1 for nxt in (*starts[1:], stop)]
+    inside = [(i, s) for i, s in writes if starts[0] <= i < stop]
     limits = []
     for k, a in enumerate(starts):
-        first = min((i for i, s in writes if i >= a and made_at.get(s, -1) < a), default=stop)
+        first = min((i for i, s in inside if i >= a and made_at.get(s, -1) < a), default=stop)
         lim = k - 1
         while lim + 1 < len(starts) and lasts[lim + 1] < first:
             lim += 1
@@ -132,6 +133,7 @@ def to_profile(
             )
         )
     blockers = call_blockers(rec)
+    made_at, writes = _writes(rec)
     buffer_name = {r.storage: r.name for r in rec.ops if _is_buffer(r)}
     fixed = {s for r in rec.ops if r.phase in FIXED_PHASES for s in r.new_storages}
     calls = []
@@ -143,7 +145,7 @@ def to_profile(
                                   for s in r.writes if s in buffer_name})),
             holds=tuple(sorted(c.holds - fixed)),
             children=tuple(rec.sequential.get(c.module, ())),
-            **(_stage_fields(rec, st) if st is not None else {}),
+            **(_stage_fields(rec, st, names, made_at, writes) if st is not None else {}),
         ))
     meta = ProfileMeta(
         model_class=model_class,

@@ -35,11 +35,16 @@ from typing import Any
 
 import torch
 
-from planner.api import COMPILED_ROUNDS, SLACK_BYTES, InfeasibleBudgetError, compiled_budget
+from planner.api import (
+    COMPILED_ROUNDS,
+    SLACK_BYTES,
+    InfeasibleBudgetError,
+    compile_variants,
+    compiled_budget,
+)
 from planner.inplace import applied, apply_schedule, remove
 from planner.measurement import measure
 from planner.profiling import profile
-from solvers.chain import module_calls_only
 from solvers.errors import CkptPlannerError
 from solvers.profile import Profile
 from solvers.schedule import Schedule
@@ -812,14 +817,13 @@ def compare(
                         row.method, row.regions = f"{backend}, none", 0
                         row.predicted_extra_pct = 0.0
                     else:
-                        b = compiled_budget(target, eager_none, unplanned_peak, try_at,
-                                            COMPILED_ROUNDS)
-                        if b is None and any(c.stages for c in prof.calls):
-                            # as plan(compile=): again with module-call regions only
-                            flat = module_calls_only(prof)
+                        b = None
+                        for variant in compile_variants(prof):  # as plan(compile=) does
                             b = compiled_budget(target, eager_none, unplanned_peak,
-                                                lambda b, t=try_at, v=flat: t(b, variant=v),
+                                                lambda b, t=try_at, v=variant: t(b, variant=v),
                                                 COMPILED_ROUNDS)
+                            if b is not None:
+                                break
                         if b is not None or tried:  # the fit, or the last try, measured
                             s, module, _ = tried[b] if b is not None else [*tried.values()][-1]
                             row.method = f"{backend}, {s.method}"

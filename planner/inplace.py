@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ from torch.utils.checkpoint import (
 )
 
 from planner.capture.record import op_name
+from planner.stages import Pattern, trace
 from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.schedule import Region, Schedule
 
@@ -235,19 +237,8 @@ class SegmentedForward:
         self.previous = None
         self.region = regions[0]
         self.regions = sorted(regions, key=lambda r: r.segment)
-        n = len(module)
-        last = -1
-        for r in self.regions:
-            i, j = r.segment
-            if not (0 <= i < j < n) or i <= last:
-                raise ScheduleError(
-                    f"segments {[r.segment for r in self.regions]} of {r.module!r} overlap or "
-                    f"are out of range for its {n} children: the schedule was made for another "
-                    "model"
-                )
-            last = j
-        self._runners = {r.segment[0]: (r.segment[1], _RegionRunner(r, root))
-                         for r in self.regions}
+        self._runners = _segment_runners(self.regions, len(module), 2, "children",
+                                         repr(regions[0].module), root)
         functools.update_wrapper(self, type(module).forward.__get__(module))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SegmentedForward:
@@ -284,10 +275,6 @@ class StagedForward:
     the module's own forward."""
 
     def __init__(self, module: torch.nn.Module, regions: list[Region], root: torch.nn.Module):
-        import json
-
-        from planner.stages import Pattern, trace
-
         self.module = module
         self.previous = None
         self.region = regions[0]
@@ -305,17 +292,8 @@ class StagedForward:
             raise ScheduleError(
                 f"the schedule cuts inside the forward of {where}, whose code no longer traces "
                 "as it did when planned: the schedule was made for another model; re-plan")
-        n = len(self.graph.exec)
-        last = -1
-        for r in self.regions:
-            i, j = r.segment
-            if not (0 <= i <= j < n) or i <= last:
-                raise ScheduleError(
-                    f"segments {[r.segment for r in self.regions]} of {where} overlap or are out "
-                    f"of range for its {n} traced nodes: the schedule was made for another model")
-            last = j
-        self._runners = {r.segment[0]: (r.segment[1], _RegionRunner(r, root))
-                         for r in self.regions}
+        self._runners = _segment_runners(self.regions, len(self.graph.exec), 1, "traced nodes",
+                                         where, root)
         self._build()
         functools.update_wrapper(self, type(module).forward.__get__(module))
 
@@ -336,6 +314,22 @@ class StagedForward:
         if not torch.is_grad_enabled() or not self.graph.matches(self.module, args, kwargs):
             return type(self.module).forward(self.module, *args, **kwargs)
         return self._program(*args, **kwargs)
+
+
+def _segment_runners(regions: list[Region], n: int, least: int, of: str, where: str,
+                     root: torch.nn.Module) -> dict[int, tuple[int, _RegionRunner]]:
+    """First position -> (last position, runner) of segment regions sorted by position, checked
+    to lie within `n` items (`of`: children, traced nodes), to span at least `least` of them and
+    not to overlap."""
+    last = -1
+    for r in regions:
+        i, j = r.segment
+        if not (0 <= i and i + least - 1 <= j < n) or i <= last:
+            raise ScheduleError(
+                f"segments {[r.segment for r in regions]} of {where} overlap or are out of range "
+                f"for its {n} {of}: the schedule was made for another model; re-plan")
+        last = j
+    return {r.segment[0]: (r.segment[1], _RegionRunner(r, root)) for r in regions}
 
 
 def _run_children(children: list[torch.nn.Module], input: Any) -> Any:

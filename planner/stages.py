@@ -68,8 +68,15 @@ class Pattern:
 
 
 def _signature(module: torch.nn.Module) -> inspect.Signature | None:
+    return _forward_signature(type(module).forward)
+
+
+@functools.cache
+def _forward_signature(forward: Callable[..., Any]) -> inspect.Signature | None:
+    """The parameters of a class's `forward` without `self` (computed once per function: every
+    call of a planned module checks its arguments against them); None with `*args`/`**kwargs`."""
     try:
-        sig = inspect.signature(type(module).forward)
+        sig = inspect.signature(forward)
     except (TypeError, ValueError):
         return None
     params = list(sig.parameters.values())[1:]  # drop self
@@ -123,14 +130,13 @@ class StagedGraph:
     (to find where each node's ops start), and `program`, the same code as generated Python with
     runs of nodes under a region runner (what a plan runs)."""
 
-    def __init__(self, module: torch.nn.Module, pattern: Pattern, graph: fx.Graph):
+    def __init__(self, pattern: Pattern, graph: fx.Graph):
         self.pattern = pattern
         self.graph = graph
         nodes = list(graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.exec = [n for n in nodes if n.op in _EXEC]
         self.output = next(n for n in nodes if n.op == "output")
-        self.index = {n: k for k, n in enumerate(self.exec)}
         # last exec position reading each node (len(exec) for the output)
         self.last_use: dict[fx.Node, int] = {}
         for k, n in enumerate(self.exec):
@@ -263,11 +269,7 @@ def _execute(node: fx.Node, env: dict, module: torch.nn.Module) -> Any:
         return getattr(self_obj, node.target)(*rest, **kwargs)
     if node.op == "call_module":
         return module.get_submodule(node.target)(*args, **kwargs)
-    # get_attr
-    obj: Any = module
-    for part in node.target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return _resolves(module, node.target)  # get_attr (checked to resolve when traced)
 
 
 def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
@@ -307,7 +309,7 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
             return None
         if n.op == "call_function" and n.target in (operator.setitem,):
             return None  # in-place Python writes into arguments
-    return StagedGraph(module, pattern, graph)
+    return StagedGraph(pattern, graph)
 
 
 def _resolves(module: torch.nn.Module, target: str) -> Any:

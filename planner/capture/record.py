@@ -44,6 +44,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
+from planner.stages import call_pattern, stageable, trace
 from solvers.errors import CkptPlannerError
 
 __all__ = [
@@ -913,8 +914,6 @@ class _StagingForward:
         self.orig = type(module).forward.__get__(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from planner.stages import call_pattern, trace
-
         pattern = call_pattern(self.module, args, kwargs)
         sg = None
         if pattern is not None and self.name not in self.found:
@@ -943,8 +942,6 @@ def _find_stages(spec: StepSpec, recording: Recording) -> dict[str, Staged]:
     innermost staged call around such an op; its callers still stage it as one call) and the
     run is repeated without it. Nothing is staged when the run's op sequence still differs from
     the recording's (a trace that does not reproduce the model's code) or it raises."""
-    from planner.stages import stageable
-
     per_module: dict[str, int] = {}
     for c in recording.calls:
         per_module[c.module] = per_module.get(c.module, 0) + 1

@@ -7,6 +7,7 @@ What tracing fixes is checked at every call; what it cannot see (a value-depende
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -287,3 +288,18 @@ def test_trace_forwards_false_keeps_regions_to_module_calls():
     finally:
         planner.remove(model)
     assert {n: set(m.__dict__) for n, m in model.named_modules()} == before
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: dataclasses.replace(r, segment=(0, 10_000)), "out of range .* traced nodes"),
+    (lambda r: dataclasses.replace(r, staged="{not json"), "malformed 'staged' field"),
+])
+def test_an_edited_staged_schedule_is_refused_and_the_model_left_as_it_was(edit, message):
+    model, x = gpt_eager(**GPT)
+    prof = planner.profile(model, x, repeats=1)
+    sched = _staged_schedule(prof, "blocks.0.attn")
+    bad = dataclasses.replace(sched, regions=(edit(sched.regions[0]), *sched.regions[1:]))
+    with pytest.raises(ScheduleError, match=message):
+        apply_schedule(model, bad)
+    assert applied(model) is None
+    assert "forward" not in model.blocks[0].attn.__dict__
