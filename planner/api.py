@@ -30,13 +30,12 @@ from typing import Any
 
 import torch
 
-from planner import inplace
+from planner import compiled, inplace
 from planner.capture.record import default_loss, split_inputs
 from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
 from planner.profiling import profile
-from solvers.chain import module_calls_only
 from solvers.distributed import per_rank
 from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
@@ -121,6 +120,9 @@ class Plan:
     """With ``plan(..., compile=backend)``: the measured peak of the planned step compiled."""
     compiled_backend: str | None = None
     """The `torch.compile` backend the plan was fitted under, if any."""
+    compile_memory_budget: float | None = None
+    """With ``plan(..., compile=backend)``: the partitioner's ``activation_memory_budget`` the
+    plan was fitted with (1.0: the compiler's default). Compile with `compile_backend`."""
     local_profile: Profile | None = None
     """Under data parallelism (`profile` is one rank's: `solvers.distributed.per_rank`), the
     profile of the step as this process runs it before DDP or FSDP wraps the model."""
@@ -129,6 +131,17 @@ class Plan:
     @property
     def predicted_peak_bytes(self) -> int:
         return self.schedule.predicted_peak_bytes
+
+    @property
+    def compile_backend(self):
+        """What to pass as ``torch.compile(model, backend=...)`` (or ``block.compile(backend=
+        ...)``) for the compiled step this plan was fitted to: the backend's name, or, where the
+        plan uses the partitioner's own recomputation, a backend that compiles with
+        ``activation_memory_budget`` at `compile_memory_budget`."""
+        if self.compiled_backend is None:
+            raise CkptPlannerError("this plan was not fitted to a compiled step; plan with "
+                                   "compile='inductor' (or your backend)")
+        return compiled.compile_backend(self.compiled_backend, self.compile_memory_budget or 1.0)
 
     @property
     def predicted_overhead(self) -> float:
@@ -194,10 +207,14 @@ class Plan:
                          "the spread of the peak measured over other batches; replays re-route "
                          "the same tokens (torch checks the recomputed shapes)")
         if self.compiled_backend is not None and self.compiled_peak_bytes is not None:
-            lines.append(f"under torch.compile(backend={self.compiled_backend!r}): measured "
-                         f"peak {format_bytes(self.compiled_peak_bytes)} (the peaks above are "
-                         "eager predictions; the compiled step keeps what its partitioner "
-                         "decides, measured)")
+            m = self.compile_memory_budget or 1.0
+            how = "torch.compile(model, backend=plan.compile_backend)" if m != 1.0 else \
+                f"torch.compile(model, backend={self.compiled_backend!r})"
+            lines.append(f"under torch.compile(backend={self.compiled_backend!r}) with "
+                         f"activation_memory_budget {m:g}: measured peak "
+                         f"{format_bytes(self.compiled_peak_bytes)} (the peaks above are eager "
+                         f"predictions; the compiled step keeps what its partitioner decides, "
+                         f"measured); compile with {how}")
         if self.seconds:
             lines.append("planned in " + ", ".join(f"{k} {v:.2f} s"
                                                    for k, v in self.seconds.items()))
@@ -360,11 +377,6 @@ SPREAD_DRAWS = 4
 when no other batches are given."""
 MARGIN_ROUNDS = 3
 """Re-plans at most, each with the margin the measured peaks asked for."""
-COMPILED_ROUNDS = 5
-"""Eager budgets `plan(compile=...)` tries at most; a budget giving a schedule already measured
-costs no compilation."""
-
-
 def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_fn,
            autocast: torch.dtype | None) -> list[int]:
     """The planned step's measured peak on the example and each other batch, or on other random
@@ -378,114 +390,69 @@ def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_f
     return peaks
 
 
-def compiled_peak(model: torch.nn.Module, example_inputs: Any, loss_fn, backend: str,
+def compiled_peak(module: torch.nn.Module, example_inputs: Any, loss_fn,
                   autocast: torch.dtype | None = None) -> Measurement:
-    """One measured step of a copy of `model` (plan applied) under ``torch.compile(backend)``;
-    the model itself is untouched and dynamo's caches are cleared afterwards."""
-    twin = copy.deepcopy(model)
-    try:
-        compiled = torch.compile(twin, backend=backend)
-        return measure(compiled, example_inputs, loss_fn, repeats=1, autocast=autocast)
-    finally:
-        del twin
-        torch._dynamo.reset()
+    """One measured step of a compiled model (a copy of the user's, `planner.compiled`)."""
+    return measure(module, example_inputs, loss_fn, repeats=1, autocast=autocast)
 
 
-def compiled_budget(budget: int, eager_none: int, unplanned: int,
-                    try_at: Callable[[int], int | None], rounds: int) -> int | None:
-    """The eager budget to plan at so that the step, compiled, peaks within `budget`.
-
-    A compiler changes what the step keeps: inductor fuses ops and keeps less than eager, a
-    compiled region may keep more. Neither is modelled; both are measured. The search starts from
-    `budget` raised by what compiling saves on the unplanned step (`eager_none`, the eager
-    unplanned peak, less `unplanned`, the compiled one), so that a plan does not recompute what
-    the compiler already saves, and lowers it by each measured overshoot while that stays above
-    `budget` and the compiled peak keeps falling; then (the saving did not carry over to the plan)
-    it goes on from `budget` itself, lowered likewise. `try_at(b)` plans at eager budget b,
-    compiles, measures, and returns the compiled peak (None: no plan reaches b). Returns the eager
-    budget whose compiled plan fit, or None after `rounds` tries (one more where the first is
-    raised)."""
-    raised = budget + max(0, eager_none - unplanned)
-    b = min(raised, eager_none - 1)
-    last = None
-    for _ in range(rounds + (b > budget)):
-        peak = try_at(b)
-        if peak is None:
-            return None
-        if peak <= budget:
-            return b
-        over = peak - budget
-        if b > budget:
-            falling = last is None or peak < last
-            b = b - over if falling and b - over > budget else budget
-        else:
-            b -= over
-        last = peak
-    return None
-
-
-def compile_variants(prof: Profile) -> list[Profile]:
-    """The profiles a compiled-budget search plans from, in turn: `prof`, then, where it has
-    runs of traced forwards, `prof` with module-call regions only. Inductor can keep more of a
-    run than its eager replay, so where no plan with runs fits compiled, one without may."""
-    return [prof, module_calls_only(prof)] if any(c.stages for c in prof.calls) else [prof]
+def solve_within(profile: Profile, budget_bytes: int, method: str = "auto",
+                 time_limit_s: float | None = None) -> Schedule:
+    """The schedule `plan_from_profile` applies at `budget_bytes`: one that leaves `SLACK_BYTES`
+    unused, else one the simulator says fits exactly (its measured peak may then exceed the
+    budget by the few unprofiled bytes the slack is there for), else the infeasible one."""
+    schedule = solve(profile, budget_bytes - SLACK_BYTES, method=method,
+                     time_limit_s=time_limit_s)
+    if not schedule.feasible:
+        exact = solve(profile, budget_bytes, method=method, time_limit_s=time_limit_s)
+        if exact.feasible:
+            return exact
+    return schedule
 
 
 def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autocast, backend,
-                  method, time_limit_s) -> Plan:
-    """The cheapest plan whose compiled step peaks within the budget less the slack, measured
-    (`compiled_budget`). Where the compiled model fits without a plan, no plan."""
+                  method, time_limit_s, memory_budgets: Sequence[float]) -> Plan:
+    """The fastest compiled configuration whose step peaks within the budget less the slack,
+    measured (`planner.compiled`): our plan, the partitioner's ``activation_memory_budget``
+    among `memory_budgets`, or both."""
     # Compiled peaks are this process's step; `offset` is what a rank holds beside it.
     budget, local, offset = p.budget_bytes, p.local_profile, p.rank_offset_bytes()
     target = budget - SLACK_BYTES - offset
     remove(model)
-    unplanned = compiled_peak(model, example_inputs, loss_fn, backend, autocast).peak_bytes
-    if unplanned <= target:
-        none = dataclasses.replace(solve(prof, 2**62, "none"), made_for=made_for(model, prof))
-        apply_schedule(model, none)
-        return dataclasses.replace(p, schedule=none, compiled_peak_bytes=unplanned,
-                                   compiled_backend=backend, margin_bytes=0)
     eager_none = simulate(local if local is not None else prof).peak_bytes
-    tried: dict[int, int] = {}
-    b = None
-    for variant in compile_variants(prof):
-        plans: dict[int, tuple[Plan, int]] = {}
 
-        def try_at(b: int, variant: Profile = variant,
-                    plans: dict[int, tuple[Plan, int]] = plans) -> int | None:
-            remove(model)
-            try:
-                q = plan_from_profile(model, variant, budget_bytes=b + offset, method=method,
-                                      time_limit_s=time_limit_s)
-            except InfeasibleBudgetError:
-                return None
-            again = next((pk for k, (o, pk) in plans.items()
-                          if o.schedule.regions == q.schedule.regions), None)
-            peak = again if again is not None else compiled_peak(
-                model, example_inputs, loss_fn, backend, autocast).peak_bytes
-            plans[b] = (q, peak)
-            return peak
+    def solve_at(variant: Profile, b: int) -> Schedule | None:
+        s = solve_within(variant, b + offset, method, time_limit_s)
+        return s if s.feasible else None
 
-        b = compiled_budget(target, eager_none, unplanned, try_at, COMPILED_ROUNDS)
-        tried.update({k: pk for k, (_, pk) in plans.items()})
-        if b is not None:
-            break
-    if b is None:
-        remove(model)
-        shown = ", ".join(f"{format_bytes(pk)} (planned for {format_bytes(k)})"
-                          for k, pk in tried.items()) or "no plan reached the budget"
-        raise InfeasibleBudgetError(
-            f"under torch.compile(backend={backend!r}) no plan fits {format_bytes(budget)}: "
-            f"measured compiled peaks {shown}; the compiled step without a plan peaks at "
-            f"{format_bytes(unplanned)}. Raise the budget, or plan without compile= and check "
-            "the compiled step yourself")
-    q, peak = plans[b]
-    if applied(model) is None or applied(model).schedule is not q.schedule:
-        remove(model)
-        apply_schedule(model, q.schedule)
-    q.budget_bytes, q.local_profile, q.compiled_peak_bytes = budget, local, peak
-    q.compiled_backend, q.margin_bytes = backend, max(0, target - b)
-    return q
+    restore: dict[str, Any] = {}
+    compiled.raise_recompile_limit(restore)
+    try:
+        fits, tried = compiled.search(
+            model, prof, target, backend=backend, eager_none=eager_none, solve_at=solve_at,
+            step=lambda c: compiled_peak(c, example_inputs, loss_fn, autocast).peak_bytes,
+            memory_budgets=memory_budgets)
+        if not fits:
+            shown = ", ".join(f"{c.label(backend)} {format_bytes(c.peak_bytes)}"
+                              for c in tried)
+            raise InfeasibleBudgetError(
+                f"under torch.compile(backend={backend!r}) no plan fits {format_bytes(budget)}: "
+                f"measured compiled peaks {shown}. Raise the budget, or plan without compile= "
+                "and check the compiled step yourself")
+        best = compiled.fastest(fits, lambda c: measure(
+            c, example_inputs, loss_fn, repeats=2, warmup=0, autocast=autocast).step_ms)
+    finally:
+        torch._dynamo.reset()
+        compiled.restore_recompile_limit(restore)
+    used = best.profile if best.profile is not None else prof
+    schedule = best.schedule if best.schedule is not None else solve(prof, 2**62, "none")
+    schedule = dataclasses.replace(schedule, made_for=made_for(model, used))
+    apply_schedule(model, schedule)
+    return dataclasses.replace(
+        p, schedule=schedule, profile=used, budget_bytes=budget, local_profile=local,
+        compiled_peak_bytes=best.peak_bytes, compiled_backend=backend,
+        compile_memory_budget=best.memory_budget,
+        margin_bytes=max(0, target - best.eager_budget) if best.eager_budget is not None else 0)
 
 
 def _fsdp_sharded(model: torch.nn.Module) -> bool:
@@ -579,6 +546,7 @@ def plan(
     autocast: torch.dtype | None = None,
     extra_inputs: Sequence[Any] = (),
     compile: str | None = None,
+    compile_memory_budgets: Sequence[float] = compiled.MEMORY_BUDGETS,
     world_size: int | None = None,
     fsdp: bool = False,
     fsdp_units: Sequence[str] | None = None,
@@ -607,10 +575,16 @@ def plan(
             memory changes from batch to batch: the plan keeps a margin, the spread of the
             measured peak over these batches (or, without them, over other random draws).
         compile: the `torch.compile` backend you will train with (``"inductor"``). The budget
-            is then the compiled step's: copies of the model are compiled (whole-model) and
-            measured, without a plan (where that fits, no plan) and with plans for an eager
-            budget raised by what compiling saves, lowered by each measured overshoot
-            (`compiled_budget`). Compile the model yourself after planning, as torchtitan does.
+            is then the compiled step's, measured: copies of the model are compiled
+            (whole-model) without a plan and with plans, the partitioner's
+            ``activation_memory_budget`` at each of `compile_memory_budgets`, and the fastest
+            that fits is applied (`planner.compiled`). Then compile the model yourself, as
+            torchtitan does, with ``torch.compile(model, backend=p.compile_backend)`` (or
+            ``block.compile(backend=p.compile_backend)``): the backend that carries the chosen
+            ``activation_memory_budget`` (`Plan.compile_memory_budget`).
+        compile_memory_budgets: the partitioner settings searched with `compile`; ``(1.0,)``
+            keeps the compiler's default, compiles fewer copies, and leaves ``backend`` a name
+            (so ``mode=`` and ``options=`` still apply).
         world_size: ranks of data parallelism; the budget is then one rank's, `example_inputs`
             one rank's micro-batch. Default: torch.distributed's world size where it is
             initialized, else 1. A DistributedDataParallel model is planned as DDP.
@@ -671,7 +645,7 @@ def plan(
     p.local_profile = local
     if budget is not None and compile is not None:
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
-                          time_limit_s)
+                          time_limit_s, compile_memory_budgets)
         p.local_profile = local
     if budget is not None and (prof.meta.data_dependent_ops or extra_inputs):
         # Memory moves from batch to batch: measure the planned step on other batches (or other
@@ -757,19 +731,16 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
                     budget_bytes=schedule.predicted_peak_bytes, autocast=amp,
                     example_inputs=example_inputs, loss_fn=loss_fn,
                     seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
-    schedule = solve(profile, budget_bytes - SLACK_BYTES - margin_bytes, method=method,
-                     time_limit_s=time_limit_s)
-    if not schedule.feasible and margin_bytes:
-        err = _infeasible(profile, budget_bytes - margin_bytes, schedule)
-        raise InfeasibleBudgetError(
-            f"{err} (The model's memory moves from batch to batch by up to "
-            f"{format_bytes(margin_bytes)}, measured, which the plan keeps free.)")
-    if not schedule.feasible:
-        # No plan leaves the slack: take one the simulator says fits exactly (its measured peak
-        # may then exceed the budget by the few unprofiled bytes SLACK_BYTES is there for).
-        exact = solve(profile, budget_bytes, method=method, time_limit_s=time_limit_s)
-        if exact.feasible:
-            schedule = exact
+    if margin_bytes:
+        schedule = solve(profile, budget_bytes - SLACK_BYTES - margin_bytes, method=method,
+                         time_limit_s=time_limit_s)
+        if not schedule.feasible:
+            err = _infeasible(profile, budget_bytes - margin_bytes, schedule)
+            raise InfeasibleBudgetError(
+                f"{err} (The model's memory moves from batch to batch by up to "
+                f"{format_bytes(margin_bytes)}, measured, which the plan keeps free.)")
+    else:
+        schedule = solve_within(profile, budget_bytes, method, time_limit_s)
     t1 = time.perf_counter()
     if not schedule.feasible:
         raise _infeasible(profile, budget_bytes, schedule)

@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from planner.compiled import MEMORY_BUDGETS
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -44,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-budgets", type=_floats, default=(1.0, 0.8, 0.5, 0.2, 0.0),
                         help="torch.compile activation_memory_budget values (1: the backend "
                              "without extra recomputation, the reference of the compiled rows)")
+    parser.add_argument("--compile-memory-budgets", type=_floats, default=MEMORY_BUDGETS,
+                        help="activation_memory_budget values 'ours + backend' searches beside "
+                             "its regions, as plan(compile=) does")
     parser.add_argument("--compile-backend", type=_names, default=("aot_eager",),
                         help="torch.compile backend(s), comma-separated: aot_eager (default), "
                              "inductor (needs a C++ compiler on CPU), or aot_eager,inductor")
@@ -76,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         fractions=args.fractions,
         repeats=max(1, args.repeats),
         compile_budgets=args.compile_budgets,
+        compile_memory_budgets=args.compile_memory_budgets,
         include_compile=not args.no_compile,
         compile_backend=args.compile_backend,
         graph=args.graph,

@@ -35,13 +35,10 @@ from typing import Any
 
 import torch
 
-from planner.api import (
-    COMPILED_ROUNDS,
-    SLACK_BYTES,
-    InfeasibleBudgetError,
-    compile_variants,
-    compiled_budget,
-)
+from planner.api import SLACK_BYTES, InfeasibleBudgetError, solve_within
+from planner.compiled import MEMORY_BUDGETS, compile_backend, compile_copy, raise_recompile_limit
+from planner.compiled import fastest as compiled_fastest
+from planner.compiled import search as compiled_search
 from planner.inplace import applied, apply_schedule, remove
 from planner.measurement import measure
 from planner.profiling import profile
@@ -415,25 +412,6 @@ def _style_key(r: Row) -> str:
     return r.kind
 
 
-RECOMPILE_LIMIT = 256
-"""Compilations of the same code `compare` allows dynamo (every compiled row compiles the
-model's forward again, for another backend or budget)."""
-
-
-def _raise_recompile_limit(restore: dict[str, Any]) -> None:
-    """Let dynamo compile the same code `RECOMPILE_LIMIT` times, and fail rather than run eager
-    past that (a row would silently measure the eager model); `restore` keeps the values to put
-    back."""
-    import torch._dynamo.config as dc
-
-    want = {"recompile_limit": RECOMPILE_LIMIT, "cache_size_limit": RECOMPILE_LIMIT,
-            "fail_on_recompile_limit_hit": True}
-    for name, value in want.items():
-        if hasattr(dc, name) and getattr(dc, name) != value:
-            restore.setdefault(name, getattr(dc, name))
-            setattr(dc, name, value)
-
-
 def _eager_attention(profile: Profile) -> bool:
     """A transformer with eager attention: softmax and batched matmuls in forward, no SDPA."""
     ops = {n.op for n in profile.nodes if n.phase == "forward"}
@@ -453,21 +431,6 @@ def _caches_off() -> None:
 
     if hasattr(fc, "enable_autograd_cache"):
         fc.enable_autograd_cache = False
-
-
-def _compile_backend(budget: float, backend: str):
-    """A backend that compiles with `activation_memory_budget` = budget. A distinct backend object
-    per budget also makes dynamo keep one cache entry per budget (its guards check the backend)."""
-    import torch._functorch.config as fc
-    from torch._dynamo import lookup_backend
-
-    inner = lookup_backend(backend)
-
-    def ckpt_planner_compile_backend(gm, example_inputs):
-        with fc.patch(activation_memory_budget=budget):
-            return inner(gm, example_inputs)
-
-    return ckpt_planner_compile_backend
 
 
 class _Entry:
@@ -508,16 +471,6 @@ def _schedule_key(s) -> tuple:
     return tuple((r.start, r.end, tuple(sorted(r.saved))) for r in s.regions)
 
 
-def _solve_with_slack(prof: Profile, budget: int, time_limit_s: float | None) -> Schedule:
-    """What `planner.plan` would apply at `budget` (slack kept where a plan can keep it)."""
-    s = solve(prof, budget - SLACK_BYTES, "auto", time_limit_s)
-    if not s.feasible:
-        exact = solve(prof, budget, "auto", time_limit_s)
-        if exact.feasible:
-            return exact
-    return s
-
-
 @dataclass(frozen=True, kw_only=True)
 class CompareOptions:
     """What `compare` measures and how often: the options that travel together from the CLI,
@@ -545,6 +498,9 @@ class CompareOptions:
     compile_budgets: tuple[float, ...] = (1.0, 0.8, 0.5, 0.2, 0.0)
     """Values of ``torch._functorch.config.activation_memory_budget`` (1.0: the backend without
     extra recomputation, the reference for compiled rows)."""
+    compile_memory_budgets: tuple[float, ...] = MEMORY_BUDGETS
+    """The partitioner settings "ours + backend" searches, as ``plan(..., compile=backend)``
+    does (`planner.compiled`)."""
     compile_backend: str | tuple[str, ...] = "aot_eager"
     """``aot_eager``, ``inductor`` (needs a C++ compiler on CPU), or several, each measured at
     every budget; aot_eager rows are named ``compile(b)``, other backends' ``<backend>(b)``."""
@@ -586,12 +542,13 @@ def compare(
     fractions, repeats, inner_repeats = opts.fractions, opts.repeats, opts.inner_repeats
     profile_repeats, time_limit_s, iso, graph = (opts.profile_repeats, opts.time_limit_s,
                                                  opts.iso, opts.graph)
-    include_compile, compile_budgets, compile_backend = (opts.include_compile,
-                                                         opts.compile_budgets, opts.compile_backend)
+    include_compile, compile_budgets, backend_names = (opts.include_compile,
+                                                       opts.compile_budgets, opts.compile_backend)
+    compile_memory_budgets = opts.compile_memory_budgets
     eager_attention = opts.eager_attention
     say = _Say(progress)
     name = name or type(model).__name__
-    backends = (compile_backend,) if isinstance(compile_backend, str) else tuple(compile_backend)
+    backends = (backend_names,) if isinstance(backend_names, str) else tuple(backend_names)
     if include_compile and not backends:
         raise ValueError("compile_backend names no backend; pass include_compile=False instead")
     if applied(model) is not None:
@@ -622,6 +579,12 @@ def compare(
 
     def measure_entry(e: _Entry) -> None:
         _measure_entry(e, model, example_inputs, loss_fn, inner_repeats)
+
+    def step_peak(module: torch.nn.Module) -> int:
+        return measure(module, example_inputs, loss_fn, repeats=1).peak_bytes
+
+    def time_step(module: torch.nn.Module) -> float:
+        return measure(module, example_inputs, loss_fn, repeats=inner_repeats, warmup=0).step_ms
 
     # none first: its measured peak sets the budgets
     none = add(Row(strategy="none", kind="none", method="none", regions=0), model)
@@ -681,14 +644,14 @@ def compare(
             torch._dynamo.reset()
             # Every compiled row compiles the same forward code again (another backend or
             # budget): past dynamo's recompile limit (8) it would silently run eager.
-            _raise_recompile_limit(restore)
+            raise_recompile_limit(restore)
             for backend in backends:
                 for b in compile_budgets:
                     label = "compile" if backend == "aot_eager" else backend
                     row = Row(strategy=f"{label}({b:g})", kind="compile", method=backend)
                     try:
                         torch._dynamo.reset()  # no reuse of another budget's graphs
-                        cm = torch.compile(model, backend=_compile_backend(b, backend))
+                        cm = torch.compile(model, backend=compile_backend(backend, b))
                     except Exception as ex:  # noqa: BLE001
                         row.status = f"error: {type(ex).__name__}: {ex}"[:200]
                         add(row, None)
@@ -720,7 +683,7 @@ def compare(
             e.alias = (prev.alias or prev) if prev.row.status == "ok" else None
             return
         try:
-            s = _solve_with_slack(prof, budget, time_limit_s)
+            s = solve_within(prof, budget, "auto", time_limit_s)
         except Exception as ex:  # noqa: BLE001
             row.status = f"error: {type(ex).__name__}: {ex}"[:200]
             add(row, None)
@@ -777,75 +740,74 @@ def compare(
             row.regions = len(gp.schedule.regions)
             add(row, gp.module)
     if include_compile and hasattr(torch._functorch.config, "activation_memory_budget"):
-        # ours + torch.compile: what plan(..., compile=backend) picks (`compiled_budget`):
-        # copies of the model, planned or not, compiled whole-model and measured
-        import copy
-
-        _raise_recompile_limit(restore)
+        # ours + torch.compile: what plan(..., compile=backend) picks (`planner.compiled`):
+        # copies of the model, planned or not, compiled whole-model at each partitioner budget,
+        # the fastest that fits; "no plan" at budget b is the backend(b) row itself.
+        raise_recompile_limit(restore)
         eager_none = simulate(prof).peak_bytes
+
+        def solve_feasible(variant: Profile, b: int) -> Schedule | None:
+            s = solve_within(variant, b, "auto", time_limit_s)
+            return s if s.feasible else None
         for backend in backends:
-            unplanned, unplanned_peak = None, None
+            label = "compile" if backend == "aot_eager" else backend
+            rows_at = {e.compile_budget: e for e in entries if e.row.kind == "compile"
+                       and e.row.method == backend and e.peaks and e.module is not None}
+            own: dict[float, tuple[int, torch.nn.Module]] = {}
+
+            def unplanned(m: float, backend=backend, rows_at=rows_at, own=own):
+                if m in rows_at:
+                    return rows_at[m].peaks[0], rows_at[m].module
+                if m not in own:
+                    module = compile_copy(model, None, backend, m)
+                    own[m] = (step_peak(module), module)
+                return own[m]
+
             for f in plan_fractions:
                 row = Row(strategy=f"ours+{backend}@{f:g}", kind="ours_compiled",
                           budget_bytes=budgets[f], fraction=f, method=backend)
                 say(f"planning ours + {backend} at {f:g}x")
-                target = budgets[f] - SLACK_BYTES
-                tried: dict[int, tuple[Schedule, Any, int]] = {}
-
-                def try_at(b: int, backend=backend, tried=tried, variant=prof) -> int | None:
-                    s = _solve_with_slack(variant, b, time_limit_s)
-                    if not s.feasible:
-                        return None
-                    again = next((v for v in tried.values() if v[0].regions == s.regions), None)
-                    if again is not None:  # the same schedule: measured already
-                        tried[b] = again
-                        return again[2]
-                    twin = apply_schedule(copy.deepcopy(model), s)
-                    module = torch.compile(twin, backend=backend)
-                    peak = measure(module, example_inputs, loss_fn, repeats=1).peak_bytes
-                    tried[b] = (s, module, peak)
-                    return peak
-
-                module = None
                 try:
-                    if unplanned_peak is None:
-                        unplanned = torch.compile(copy.deepcopy(model), backend=backend)
-                        unplanned_peak = measure(unplanned, example_inputs, loss_fn,
-                                                 repeats=1).peak_bytes
-                    if unplanned_peak <= target:  # fits compiled without a plan
-                        module = unplanned
-                        row.method, row.regions = f"{backend}, none", 0
-                        row.predicted_extra_pct = 0.0
-                    else:
-                        b = None
-                        for variant in compile_variants(prof):  # as plan(compile=) does
-                            b = compiled_budget(target, eager_none, unplanned_peak,
-                                                lambda b, t=try_at, v=variant: t(b, variant=v),
-                                                COMPILED_ROUNDS)
-                            if b is not None:
-                                break
-                        if b is not None or tried:  # the fit, or the last try, measured
-                            s, module, _ = tried[b] if b is not None else [*tried.values()][-1]
-                            row.method = f"{backend}, {s.method}"
-                            row.predicted_peak_bytes = s.predicted_peak_bytes
-                            row.predicted_extra_pct = _pred_pct(s, prof)
-                            row.regions = len(s.regions)
-                            if b is not None and b > target:
-                                saves = (eager_none - unplanned_peak) / MiB
-                                row.status = (f"ok (planned for {b / MiB:.2f} MiB eager: "
-                                              f"compiling saves {saves:.2f} MiB unplanned)")
-                        if b is None and tried:
-                            row.status = ("does not fit compiled: measured " + ", ".join(
-                                f"{pk / MiB:.2f} MiB (planned for {k / MiB:.2f})"
-                                for k, (_, _, pk) in tried.items()))
-                        elif b is None:
-                            least = smallest_peak(prof)
-                            row.status = f"does not fit (smallest peak {least / MiB:.2f} MiB)"
-                            row.fits = False
+                    fits, tried = compiled_search(
+                        model, prof, budgets[f] - SLACK_BYTES, backend=backend,
+                        eager_none=eager_none, unplanned=unplanned, step=step_peak,
+                        solve_at=solve_feasible,
+                        memory_budgets=compile_memory_budgets)
                 except Exception as ex:  # noqa: BLE001 - record, do not crash
                     row.status = f"error: {type(ex).__name__}: {ex}"[:200]
-                    module = None
-                add(row, module)
+                    add(row, None)
+                    continue
+                if not fits:
+                    planned = [c for c in tried if c.schedule is not None]
+                    if planned:
+                        row.status = "does not fit compiled: measured " + ", ".join(
+                            f"{c.peak_bytes / MiB:.2f} MiB ({c.label(label)}, planned for "
+                            f"{c.eager_budget / MiB:.2f})" for c in planned)
+                    else:
+                        least = smallest_peak(prof)
+                        row.status = f"does not fit (smallest peak {least / MiB:.2f} MiB)"
+                        row.fits = False
+                    add(row, None)
+                    continue
+                best = compiled_fastest(fits, time_step)
+                row.method = f"{backend}({best.memory_budget:g}), " + (
+                    best.schedule.method if best.schedule is not None else "none")
+                if best.schedule is None:
+                    row.regions, row.predicted_extra_pct = 0, 0.0
+                    e = add(row, None)
+                    e.alias = rows_at.get(best.memory_budget)
+                    if e.alias is None:  # measured here, not a row of its own
+                        e.module = best.module
+                    continue
+                s = best.schedule
+                row.predicted_peak_bytes = s.predicted_peak_bytes
+                row.predicted_extra_pct = _pred_pct(s, prof)
+                row.regions = len(s.regions)
+                if best.eager_budget > budgets[f] - SLACK_BYTES:
+                    row.status = (f"ok (planned for {best.eager_budget / MiB:.2f} MiB eager; "
+                                  f"{label}({best.memory_budget:g}) without a plan peaks at "
+                                  f"{unplanned(best.memory_budget)[0] / MiB:.2f} MiB)")
+                add(row, best.module)
     for e in entries:
         if e.row.kind in ("ours_iso", "ours_sweep", "graph_sweep", "ours_compiled") \
                 and e.module is not None:
@@ -882,7 +844,9 @@ def compare(
         r.extra_pct = 100 * (r.step_ms / base - 1)
         if r.budget_bytes is not None:
             r.fits = r.measured_peak_bytes <= r.budget_bytes
-        if e.alias is not None:
+        if e.alias is not None and e.alias.row.kind == "compile":
+            r.status = f"ok ({e.alias.row.strategy} without a plan is the fastest that fits)"
+        elif e.alias is not None:
             r.status = f"ok (same schedule as {e.alias.row.strategy})"
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

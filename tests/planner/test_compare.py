@@ -91,16 +91,35 @@ def test_cli_refuses_an_empty_backend_list(capsys) -> None:
 
 
 def test_ours_with_each_backend_is_measured_and_says_whether_it_fits(result) -> None:
-    """ours + <backend>: our schedule on a copy of the model compiled with the backend, planned
-    again with the measured overshoot kept free. On this small stack the compiled regions keep
-    more than the same plan in eager, and no plan gets the compiled step under 0.75x: the row
-    says so instead of claiming a fit."""
+    """ours + <backend>: what plan(compile=backend) picks, on copies of the model compiled with
+    the backend: our schedule, the partitioner's activation_memory_budget, or both, whichever
+    fits and is fastest. The row names the partitioner setting; its status says "ok" exactly
+    when the measured peak is within the budget (never a claimed fit)."""
     rows = {r.strategy: r for r in result.rows if r.kind == "ours_compiled"}
     assert set(rows) == {"ours+aot_eager@0.75", "ours+eager@0.75"}
     for r in rows.values():
-        assert r.measured and r.regions > 0, r
+        backend = r.strategy.split("+")[1].split("@")[0]
+        assert r.measured, r
+        assert r.method.startswith(f"{backend}("), r
+        assert (r.regions == 0) == r.method.endswith(", none"), r
         assert r.fits == (r.measured_peak_bytes <= r.budget_bytes)
         assert r.status.startswith("ok") == bool(r.fits), r
+
+
+def test_ours_with_the_compilers_default_only_keeps_regions() -> None:
+    """With the partitioner left at its default (compile_memory_budgets=(1.0,)), the small stack
+    needs regions under aot_eager, and they keep more compiled than in eager: no plan gets the
+    compiled step under 0.75x, and the row says so instead of claiming a fit."""
+    torch.manual_seed(0)
+    model, x = ln_linear_stack(batch=16, seq=32, dim=64, n=4)
+    model.train()
+    res = compare(model, x, fractions=(0.75,), repeats=1, inner_repeats=1,
+                  compile_budgets=(1.0,), compile_memory_budgets=(1.0,),
+                  compile_backend="aot_eager", iso=False, time_limit_s=5)
+    r = res.row("ours+aot_eager@0.75")
+    assert r.measured and r.regions > 0 and r.method.startswith("aot_eager(1), "), r
+    assert r.fits == (r.measured_peak_bytes <= r.budget_bytes)
+    assert r.status.startswith("ok") == bool(r.fits), r
 
 
 def test_options_travel_as_one_dataclass_and_keywords_override_them() -> None:
@@ -123,7 +142,7 @@ def test_compiled_rows_never_fall_back_to_eager_silently(monkeypatch) -> None:
     puts dynamo's settings back, and a row past the limit is an error, not eager figures."""
     import torch._dynamo.config as dc
 
-    import planner.comparison as comparison
+    import planner.compiled as compiled
 
     before = (dc.recompile_limit, dc.fail_on_recompile_limit_hit)
     model, x = ln_linear_stack(batch=2, seq=4, dim=8, n=2)
@@ -133,7 +152,7 @@ def test_compiled_rows_never_fall_back_to_eager_silently(monkeypatch) -> None:
     rows = [r for r in res.rows if r.kind == "compile"]
     assert len(rows) == 10 and all(r.measured and r.status == "ok" for r in rows), rows
     assert (dc.recompile_limit, dc.fail_on_recompile_limit_hit) == before
-    monkeypatch.setattr(comparison, "RECOMPILE_LIMIT", 4)
+    monkeypatch.setattr(compiled, "RECOMPILE_LIMIT", 4)
     res = compare(model, x, **kw)
     rows = [r for r in res.rows if r.kind == "compile"]
     assert all(r.measured for r in rows[:4])

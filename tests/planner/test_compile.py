@@ -114,7 +114,8 @@ def test_inductor_per_block_trains_like_eager_planned():
 
 def test_plan_for_compile_keeps_the_compiled_step_within_budget():
     """plan(..., compile=backend) measures the compiled planned step and plans again with the
-    overshoot kept free: the compiled step then peaks within the budget."""
+    overshoot kept free: the compiled step (with the backend the plan gives, which carries the
+    partitioner setting it chose) then peaks within the budget."""
     torch._dynamo.reset()
     model, x, loss_fn = _hf_gpt2()
     prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
@@ -123,7 +124,7 @@ def test_plan_for_compile_keeps_the_compiled_step_within_budget():
     p = planner.plan(model, budget_bytes=budget, example_inputs=x, loss_fn=loss_fn, repeats=1,
                      compile="aot_eager")
     assert p.compiled_peak_bytes is not None and p.compiled_peak_bytes <= budget
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend=p.compile_backend)
     assert measure(compiled, x, loss_fn, repeats=1).peak_bytes <= budget
     planner.remove(model)
     torch._dynamo.reset()
@@ -134,7 +135,7 @@ def test_compiled_budget_credits_what_compiling_saves_and_falls_back_to_the_budg
     planned for the budget plus that saving at the first try; one that keeps part of the saving
     is lowered from there by the overshoot; one whose saving vanishes once a plan is applied is
     searched from the budget itself, lowered by each measured overshoot."""
-    from planner.api import compiled_budget
+    from planner.compiled import compiled_budget
 
     tries: list[int] = []
 
@@ -209,5 +210,45 @@ def test_a_budget_below_the_eager_floor_is_judged_on_the_compiled_step():
         assert applied(model) is None  # the model is left as it was
     else:
         assert p.compiled_peak_bytes is not None and p.compiled_peak_bytes <= budget
+        torch._dynamo.reset()
+        again = torch.compile(model, backend=p.compile_backend)
+        assert measure(again, x, repeats=1).peak_bytes <= budget
         planner.remove(model)
+    torch._dynamo.reset()
+
+
+def test_plan_for_compile_searches_the_partitioners_memory_budget():
+    """plan(..., compile=backend) also searches the partitioner's activation_memory_budget: at a
+    budget only the partitioner's own recomputation at 0.5 reaches without regions, searching
+    0.5 alone gives no regions and a backend that carries 0.5; the default search gives the
+    fastest configuration that fits. Either way the model, compiled with `p.compile_backend`,
+    peaks within the budget (measured again here)."""
+    import planner.compiled as pc
+    from tests.models import gpt_eager
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = gpt_eager(batch=4, seq=64, dim=64, heads=4, layers=3, vocab=128)
+    model.train()
+    at = {m: measure(pc.compile_copy(model, None, "aot_eager", m), x, repeats=1).peak_bytes
+          for m in (1.0, 0.5)}
+    assert at[0.5] < at[1.0]
+    budget = at[0.5] + SLACK_BYTES + 4096
+    for budgets in ((0.5,), pc.MEMORY_BUDGETS):
+        torch._dynamo.reset()
+        p = planner.plan(model, budget_bytes=budget, example_inputs=x, repeats=1,
+                         compile="aot_eager", compile_memory_budgets=budgets)
+        try:
+            assert p.module is model and p.compiled_peak_bytes <= budget
+            assert p.compile_memory_budget in budgets
+            if budgets == (0.5,):
+                assert not p.schedule.regions and callable(p.compile_backend)
+            if p.compile_memory_budget == 1.0:
+                assert p.schedule.regions and p.compile_backend == "aot_eager"
+            assert "activation_memory_budget" in p.report()
+            torch._dynamo.reset()
+            again = torch.compile(model, backend=p.compile_backend)
+            assert measure(again, x, repeats=1).peak_bytes <= budget
+        finally:
+            planner.remove(model)
     torch._dynamo.reset()

@@ -221,7 +221,7 @@ def test_compiled_planning_falls_back_to_module_calls_when_staged_runs_do_not_fi
     seen = []
 
     def fake_compiled_peak(m, *args, **kwargs):
-        plan = applied(m)
+        plan = applied(m._orig_mod)  # the compiled copy's model
         regions = plan.schedule.regions if plan is not None else ()
         staged = any(r.staged for r in regions)
         seen.append(staged)

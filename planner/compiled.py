@@ -1,0 +1,215 @@
+"""Plans for a compiled training step: `plan(..., compile=backend)` and compare's
+"ours + <backend>" rows.
+
+A compiler changes what a step keeps, and by how much is measured here, never modelled: inductor
+fuses ops and keeps less than eager; below ``activation_memory_budget`` 1 its partitioner also
+recomputes cheap fused ops on its own; a compiled region may keep more than its eager replay.
+Each candidate is a copy of the model, planned or not, compiled whole-model with the partitioner
+at one ``activation_memory_budget`` of `MEMORY_BUDGETS`, and stepped once for its peak.
+
+For each partitioner budget, from the largest: the copy without a plan (where that fits, the
+search stops, as a lower budget only recomputes more), else our plans at the eager budgets
+`compiled_budget` finds. The candidates that fit are then timed in turn (`fastest`): the plan is
+the fastest of our regions, the compiler's own recomputation, or both together.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from planner.inplace import apply_schedule
+from solvers.chain import module_calls_only
+from solvers.profile import Profile
+from solvers.schedule import Schedule
+
+COMPILED_ROUNDS = 5
+"""Eager budgets tried at most per partitioner budget; a budget giving a schedule already
+measured costs no compilation."""
+MEMORY_BUDGETS = (1.0, 0.8, 0.5)
+"""Partitioner settings (``torch._functorch.config.activation_memory_budget``) searched by
+default, largest first; 1.0 is the compiler's default (no extra recomputation)."""
+TIMING_ROUNDS = 3
+"""Rounds of timed steps over the fitting candidates (each round steps every one in turn)."""
+RECOMPILE_LIMIT = 256
+"""Compilations of the same code dynamo is allowed while candidates are measured (each compiled
+copy of the model compiles its forward again)."""
+
+
+def raise_recompile_limit(restore: dict[str, Any]) -> None:
+    """Let dynamo compile the same code `RECOMPILE_LIMIT` times, and fail rather than run eager
+    past that (a candidate would silently measure the eager model); `restore` keeps the values
+    to put back (`restore_recompile_limit`)."""
+    import torch._dynamo.config as dc
+
+    want = {"recompile_limit": RECOMPILE_LIMIT, "cache_size_limit": RECOMPILE_LIMIT,
+            "fail_on_recompile_limit_hit": True}
+    for name, value in want.items():
+        if hasattr(dc, name) and getattr(dc, name) != value:
+            restore.setdefault(name, getattr(dc, name))
+            setattr(dc, name, value)
+
+
+def restore_recompile_limit(restore: dict[str, Any]) -> None:
+    import torch._dynamo.config as dc
+
+    for name, value in restore.items():
+        setattr(dc, name, value)
+
+
+def compile_backend(backend: str, memory_budget: float = 1.0):
+    """What to pass as ``torch.compile(backend=...)`` for `backend` with the partitioner's
+    ``activation_memory_budget`` at `memory_budget`: the name itself at 1.0 (so that ``mode=`` and
+    ``options=`` still work with inductor), else a backend that compiles under that setting. A
+    distinct backend object per budget also makes dynamo keep one cache entry per budget (its
+    guards check the backend)."""
+    if memory_budget == 1.0:
+        return backend
+    import torch._functorch.config as fc
+    from torch._dynamo import lookup_backend
+
+    inner = lookup_backend(backend)
+
+    def ckpt_planner_compile_backend(gm, example_inputs):
+        with fc.patch(activation_memory_budget=memory_budget):
+            return inner(gm, example_inputs)
+
+    return ckpt_planner_compile_backend
+
+
+def compiled_budget(budget: int, eager_none: int, unplanned: int,
+                    try_at: Callable[[int], int | None], rounds: int) -> int | None:
+    """The eager budget to plan at so that the step, compiled, peaks within `budget`.
+
+    The search starts from `budget` raised by what compiling saves on the unplanned step
+    (`eager_none`, the eager unplanned peak, less `unplanned`, the compiled one), so that a plan
+    does not recompute what the compiler already saves, and lowers it by each measured overshoot
+    while that stays above `budget` and the compiled peak keeps falling; then (the saving did not
+    carry over to the plan) it goes on from `budget` itself, lowered likewise. `try_at(b)` plans
+    at eager budget b, compiles, measures, and returns the compiled peak (None: no plan reaches
+    b). Returns the eager budget whose compiled plan fit, or None after `rounds` tries (one more
+    where the first is raised)."""
+    raised = budget + max(0, eager_none - unplanned)
+    b = min(raised, eager_none - 1)
+    last = None
+    for _ in range(rounds + (b > budget)):
+        peak = try_at(b)
+        if peak is None:
+            return None
+        if peak <= budget:
+            return b
+        over = peak - budget
+        if b > budget:
+            falling = last is None or peak < last
+            b = b - over if falling and b - over > budget else budget
+        else:
+            b -= over
+        last = peak
+    return None
+
+
+def compile_variants(prof: Profile) -> list[Profile]:
+    """The profiles a compiled-budget search plans from, in turn: `prof`, then, where it has
+    runs of traced forwards, `prof` with module-call regions only. Inductor can keep more of a
+    run than its eager replay, so where no plan with runs fits compiled, one without may."""
+    return [prof, module_calls_only(prof)] if any(c.stages for c in prof.calls) else [prof]
+
+
+def compile_copy(model: torch.nn.Module, schedule: Schedule | None, backend: str,
+                 memory_budget: float) -> torch.nn.Module:
+    """A deep copy of `model` (unplanned) with `schedule` applied, under ``torch.compile``."""
+    twin = copy.deepcopy(model)
+    if schedule is not None and schedule.regions:
+        apply_schedule(twin, schedule)
+    return torch.compile(twin, backend=compile_backend(backend, memory_budget))
+
+
+@dataclass(eq=False)
+class Candidate:
+    """One compiled configuration, measured."""
+
+    schedule: Schedule | None
+    """Our regions (None: no plan, the compiler's recomputation alone)."""
+    memory_budget: float
+    """The partitioner's ``activation_memory_budget``."""
+    peak_bytes: int
+    """The compiled step's measured peak."""
+    module: torch.nn.Module | None
+    """The compiled model to time."""
+    profile: Profile | None = None
+    """The profile `schedule` was solved from (one of `compile_variants`)."""
+    eager_budget: int | None = None
+    """The eager budget `schedule` was solved for."""
+    step_ms: list[float] = field(default_factory=list)
+
+    def label(self, backend: str) -> str:
+        regions = "no plan" if self.schedule is None else f"{len(self.schedule.regions)} regions"
+        return f"{backend}({self.memory_budget:g}) with {regions}"
+
+
+def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
+           eager_none: int, solve_at: Callable[[Profile, int], Schedule | None],
+           step: Callable[[torch.nn.Module], int],
+           unplanned: Callable[[float], tuple[int, torch.nn.Module | None]] | None = None,
+           memory_budgets: Sequence[float] = MEMORY_BUDGETS,
+           rounds: int = COMPILED_ROUNDS) -> tuple[list[Candidate], list[Candidate]]:
+    """The compiled configurations within `target` bytes, and every one measured.
+
+    `model` is unplanned and left so. `solve_at(profile, b)` is the schedule planned at eager
+    budget b (None: none fits b); `step(compiled)` steps a compiled model once and returns its
+    measured peak; `unplanned(m)`, where given, is the compiled model without a plan at
+    partitioner budget m, already measured (its peak and the module to time). Schedules are
+    compiled once per partitioner budget however many eager budgets give them."""
+    fits: list[Candidate] = []
+    tried: list[Candidate] = []
+    for m in sorted(set(memory_budgets), reverse=True):
+        if unplanned is not None:
+            peak, module = unplanned(m)
+        else:
+            module = compile_copy(model, None, backend, m)
+            peak = step(module)
+        none = Candidate(None, m, peak, module if peak <= target else None)
+        tried.append(none)
+        if peak <= target:
+            fits.append(none)
+            break
+        for variant in compile_variants(prof):
+            seen: dict[int, Candidate] = {}
+
+            def try_at(b: int, variant: Profile = variant,
+                       seen: dict[int, Candidate] = seen, m: float = m) -> int | None:
+                s = solve_at(variant, b)
+                if s is None:
+                    return None
+                c = next((c for c in seen.values() if c.schedule.regions == s.regions), None)
+                if c is None:
+                    compiled = compile_copy(model, s, backend, m)
+                    c = Candidate(s, m, step(compiled), compiled, variant, b)
+                    if c.peak_bytes > target:
+                        c.module = None  # only the fitting copies are kept, to be timed
+                    tried.append(c)
+                seen[b] = c
+                return c.peak_bytes
+
+            b = compiled_budget(target, eager_none, peak, try_at, rounds)
+            if b is not None:
+                fits.append(seen[b])
+                break
+    return fits, tried
+
+
+def fastest(candidates: Sequence[Candidate], time_step: Callable[[torch.nn.Module], float],
+            rounds: int = TIMING_ROUNDS) -> Candidate:
+    """The candidate with the least median step time (`time_step(module)`, ms), timed in turn
+    for `rounds` rounds; with one candidate, that one, untimed."""
+    if len(candidates) == 1:
+        return candidates[0]
+    for _ in range(rounds):
+        for c in candidates:
+            c.step_ms.append(time_step(c.module))
+    return min(candidates, key=lambda c: statistics.median(c.step_ms))
