@@ -220,10 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         parts.append("## Our plans under torch.compile (inductor)\n\n"
                      "`ours + inductor`: the plan applied in place, then the whole model compiled "
                      "with `torch.compile(backend=\"inductor\")`, chosen as `plan(..., "
-                     "compile=\"inductor\")` chooses: no plan where the compiled model fits "
-                     "without one, else a plan for the budget raised by what compiling saves, "
-                     "lowered by each measured overshoot. Extra time is against eager `none`; "
-                     "`inductor(1)` is inductor without extra recomputation.\n\n"
+                     "compile=\"inductor\")` chooses (`planner.compiled`): for inductor's "
+                     "`activation_memory_budget` at 1, 0.8 and 0.5, no plan where the compiled "
+                     "model fits without one, else our plan for the budget raised by what "
+                     "compiling saves, lowered by each measured overshoot; of those that fit, "
+                     "the fastest over 3 timed rounds. Where that is `inductor(b)` with no plan, "
+                     "the row shares the `inductor(b)` row's measurement (the same "
+                     "configuration). Extra time is against eager `none`; `inductor(1)` is "
+                     "inductor without extra recomputation.\n\n"
                      + compiled(results))
     notes = Path(args.notes)
     if notes.exists():

@@ -425,13 +425,17 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
         s = solve_within(variant, b + offset, method, time_limit_s)
         return s if s.feasible else None
 
+    def time_step(module: torch.nn.Module) -> float:
+        return measure(module, example_inputs, loss_fn, repeats=2, warmup=0,
+                       autocast=autocast).step_ms
+
     restore: dict[str, Any] = {}
     compiled.raise_recompile_limit(restore)
     try:
         fits, tried = compiled.search(
             model, prof, target, backend=backend, eager_none=eager_none, solve_at=solve_at,
             step=lambda c: compiled_peak(c, example_inputs, loss_fn, autocast).peak_bytes,
-            memory_budgets=memory_budgets)
+            time_step=time_step, memory_budgets=memory_budgets)
         if not fits:
             shown = ", ".join(f"{c.label(backend)} {format_bytes(c.peak_bytes)}"
                               for c in tried)
@@ -439,8 +443,7 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
                 f"under torch.compile(backend={backend!r}) no plan fits {format_bytes(budget)}: "
                 f"measured compiled peaks {shown}. Raise the budget, or plan without compile= "
                 "and check the compiled step yourself")
-        best = compiled.fastest(fits, lambda c: measure(
-            c, example_inputs, loss_fn, repeats=2, warmup=0, autocast=autocast).step_ms)
+        best = compiled.fastest(fits, time_step)
     finally:
         torch._dynamo.reset()
         compiled.restore_recompile_limit(restore)

@@ -763,7 +763,7 @@ def compare(
                     own[m] = (step_peak(module), module)
                 return own[m]
 
-            for f in plan_fractions:
+            for f in fractions:  # each compiled search compiles the model several times
                 row = Row(strategy=f"ours+{backend}@{f:g}", kind="ours_compiled",
                           budget_bytes=budgets[f], fraction=f, method=backend)
                 say(f"planning ours + {backend} at {f:g}x")
@@ -771,7 +771,7 @@ def compare(
                     fits, tried = compiled_search(
                         model, prof, budgets[f] - SLACK_BYTES, backend=backend,
                         eager_none=eager_none, unplanned=unplanned, step=step_peak,
-                        solve_at=solve_feasible,
+                        time_step=time_step, solve_at=solve_feasible,
                         memory_budgets=compile_memory_budgets)
                 except Exception as ex:  # noqa: BLE001 - record, do not crash
                     row.status = f"error: {type(ex).__name__}: {ex}"[:200]

@@ -155,6 +155,7 @@ class Candidate:
 def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
            eager_none: int, solve_at: Callable[[Profile, int], Schedule | None],
            step: Callable[[torch.nn.Module], int],
+           time_step: Callable[[torch.nn.Module], float] | None = None,
            unplanned: Callable[[float], tuple[int, torch.nn.Module | None]] | None = None,
            memory_budgets: Sequence[float] = MEMORY_BUDGETS,
            rounds: int = COMPILED_ROUNDS) -> tuple[list[Candidate], list[Candidate]]:
@@ -164,10 +165,15 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
     budget b (None: none fits b); `step(compiled)` steps a compiled model once and returns its
     measured peak; `unplanned(m)`, where given, is the compiled model without a plan at
     partitioner budget m, already measured (its peak and the module to time). Schedules are
-    compiled once per partitioner budget however many eager budgets give them."""
+    compiled once per partitioner budget however many eager budgets give them. Partitioner
+    budgets below the first are searched with at most 3 eager budgets each; with `time_step`
+    (a step's time in ms), the search goes down to the next partitioner budget only while the
+    last one's configuration measured faster than the one before (timed in turn)."""
     fits: list[Candidate] = []
     tried: list[Candidate] = []
-    for m in sorted(set(memory_budgets), reverse=True):
+    ordered = sorted(set(memory_budgets), reverse=True)
+    for m in ordered:
+        found = None
         if unplanned is not None:
             peak, module = unplanned(m)
         else:
@@ -176,9 +182,8 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
         none = Candidate(None, m, peak, module if peak <= target else None)
         tried.append(none)
         if peak <= target:
-            fits.append(none)
-            break
-        for variant in compile_variants(prof):
+            found = none
+        for variant in compile_variants(prof) if found is None else ():
             seen: dict[int, Candidate] = {}
 
             def try_at(b: int, variant: Profile = variant,
@@ -196,20 +201,41 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
                 seen[b] = c
                 return c.peak_bytes
 
-            b = compiled_budget(target, eager_none, peak, try_at, rounds)
+            b = compiled_budget(target, eager_none, peak, try_at,
+                                rounds if m == ordered[0] else min(rounds, 3))
             if b is not None:
-                fits.append(seen[b])
+                found = seen[b]
                 break
+        if found is None:
+            continue
+        fits.append(found)
+        if found.schedule is None:
+            break  # the compiler alone fits: a lower partitioner budget only recomputes more
+        if time_step is not None and len(fits) > 1:
+            _time(fits[-2:], time_step, TIMING_ROUNDS)
+            if _median(fits[-1]) >= _median(fits[-2]):
+                break  # recomputing more in the compiler stopped paying
     return fits, tried
+
+
+def _time(candidates: Sequence[Candidate], time_step: Callable[[torch.nn.Module], float],
+          rounds: int) -> None:
+    for _ in range(rounds):
+        for c in candidates:
+            c.step_ms.append(time_step(c.module))
+
+
+def _median(c: Candidate) -> float:
+    return statistics.median(c.step_ms)
 
 
 def fastest(candidates: Sequence[Candidate], time_step: Callable[[torch.nn.Module], float],
             rounds: int = TIMING_ROUNDS) -> Candidate:
-    """The candidate with the least median step time (`time_step(module)`, ms), timed in turn
-    for `rounds` rounds; with one candidate, that one, untimed."""
+    """The candidate with the least median step time (`time_step(module)`, ms); candidates are
+    timed in turn for `rounds` rounds unless `search` timed them all already. With one
+    candidate, that one, untimed."""
     if len(candidates) == 1:
         return candidates[0]
-    for _ in range(rounds):
-        for c in candidates:
-            c.step_ms.append(time_step(c.module))
-    return min(candidates, key=lambda c: statistics.median(c.step_ms))
+    if any(not c.step_ms for c in candidates):
+        _time(candidates, time_step, rounds)
+    return min(candidates, key=_median)

@@ -85,10 +85,12 @@ def _forward_signature(forward: Callable[..., Any]) -> inspect.Signature | None:
     return sig.replace(parameters=params)
 
 
-def call_pattern(module: torch.nn.Module, args: tuple, kwargs: dict) -> Pattern | None:
+def call_pattern(module: torch.nn.Module, args: tuple, kwargs: dict,
+                 sig: inspect.Signature | None = None) -> Pattern | None:
     """The pattern of one call: None where an argument is neither a tensor nor a JSON scalar
-    (a cache object, a list of tensors), so the call cannot be staged."""
-    sig = _signature(module)
+    (a cache object, a list of tensors), so the call cannot be staged. `sig`: the forward's
+    signature where the caller holds it (planned calls, under torch.compile too)."""
+    sig = sig if sig is not None else _signature(module)
     if sig is None:
         return None
     try:
@@ -130,9 +132,10 @@ class StagedGraph:
     (to find where each node's ops start), and `program`, the same code as generated Python with
     runs of nodes under a region runner (what a plan runs)."""
 
-    def __init__(self, pattern: Pattern, graph: fx.Graph):
+    def __init__(self, pattern: Pattern, graph: fx.Graph, signature: inspect.Signature):
         self.pattern = pattern
         self.graph = graph
+        self.signature = signature  # of the traced forward, held (not looked up per call)
         nodes = list(graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.exec = [n for n in nodes if n.op in _EXEC]
@@ -154,11 +157,10 @@ class StagedGraph:
         self._io: dict[tuple[int, int], tuple[list[fx.Node], list[fx.Node]]] = {}
 
     def matches(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
-        return call_pattern(module, args, kwargs) == self.pattern
+        return call_pattern(module, args, kwargs, self.signature) == self.pattern
 
     def _bind(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[fx.Node, Any]:
-        sig = _signature(module)
-        bound = sig.bind(*args, **kwargs)
+        bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         values = list(bound.arguments.values())
         return dict(zip(self.placeholders, values, strict=True))
@@ -218,7 +220,7 @@ class StagedGraph:
             k = j + 1
         g.output(fx.node.map_arg(self.output.args[0], lambda a: env[a]))
         fn = _compile(g, module)
-        sig = _signature(module)
+        sig = self.signature
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             bound = sig.bind(*args, **kwargs)
@@ -309,7 +311,7 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
             return None
         if n.op == "call_function" and n.target in (operator.setitem,):
             return None  # in-place Python writes into arguments
-    return StagedGraph(pattern, graph)
+    return StagedGraph(pattern, graph, sig)
 
 
 def _resolves(module: torch.nn.Module, target: str) -> Any:
