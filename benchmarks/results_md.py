@@ -165,6 +165,7 @@ def compiled(results: list[CompareResult], backend: str = "inductor") -> str:
     label = "compile" if backend == "aot_eager" else backend
     lines = [f"| model | budget | ours + {backend}: peak, extra | {label}(1): extra | fastest "
              f"fitting {label}(b) | checks |", "|---|---|---|---|---|---|"]
+    count = dict(cells=0, fast=0, alone=0, half=0, half_ok=0)
     for res in results:
         plain = res.row(f"{label}(1)")
         checks = [c for c in res.checks() if f"ours + {backend}" in c[0]]
@@ -184,6 +185,20 @@ def compiled(results: list[CompareResult], backend: str = "inductor") -> str:
                 f"| {res.model} | {f:g}x = {budget / MiB:.1f} MiB | {_cell(ours, budget)} | - | ")
             lines[-1] += (f"{best.strategy} {best.extra_pct:+.1f}% | " if best else
                           "nothing fits | ") + (verdict or "-") + " |"
+            fits = ours is not None and ours.measured and ours.measured_peak_bytes <= budget
+            fast = [ok for t, ok, _ in mine if "at least as fast" in t]
+            count["cells"] += 1
+            count["fast"] += fits and all(fast)
+            count["alone"] += fits and not fast
+            for t, ok, _ in mine:
+                if "at most half" in t:
+                    count["half"] += 1
+                    count["half_ok"] += ok
+    lines.append(
+        f"\nTime target: ours + {backend} fits and is at least as fast as the fastest fitting "
+        f"{label}(b) in {count['fast']} of {count['cells']} cells ({count['alone']} of them "
+        f"cells where no {label}(b) fits; a cell where ours does not fit counts as missed). "
+        f"Half rule: met in {count['half_ok']} of the {count['half']} cells where it applies.")
     return "\n".join(lines)
 
 

@@ -165,10 +165,13 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
     budget b (None: none fits b); `step(compiled)` steps a compiled model once and returns its
     measured peak; `unplanned(m)`, where given, is the compiled model without a plan at
     partitioner budget m, already measured (its peak and the module to time). Schedules are
-    compiled once per partitioner budget however many eager budgets give them. Partitioner
+    compiled once per partitioner budget however many eager budgets give them. Where the
+    copy without a plan fits at a partitioner budget, no plan is searched there. Partitioner
     budgets below the first are searched with at most 3 eager budgets each; with `time_step`
     (a step's time in ms), the search goes down to the next partitioner budget only while the
-    last one's configuration measured faster than the one before (timed in turn)."""
+    last one's configuration measured faster than the one before (timed in turn: recomputing
+    more in the compiler can be faster, moving fewer bytes); without it, it stops at the first
+    budget where the copy without a plan fits."""
     fits: list[Candidate] = []
     tried: list[Candidate] = []
     ordered = sorted(set(memory_budgets), reverse=True)
@@ -209,8 +212,8 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
         if found is None:
             continue
         fits.append(found)
-        if found.schedule is None:
-            break  # the compiler alone fits: a lower partitioner budget only recomputes more
+        if time_step is None and found.schedule is None:
+            break  # the compiler alone fits; untimed, a lower budget is not worth compiling
         if time_step is not None and len(fits) > 1:
             _time(fits[-2:], time_step, TIMING_ROUNDS)
             if _median(fits[-1]) >= _median(fits[-2]):
