@@ -174,7 +174,8 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
     budget where the copy without a plan fits."""
     fits: list[Candidate] = []
     tried: list[Candidate] = []
-    ordered = sorted(set(memory_budgets), reverse=True)
+    # dynamo's "eager" backend runs the captured graph as is: no partitioner to set
+    ordered = [1.0] if backend == "eager" else sorted(set(memory_budgets), reverse=True)
     for m in ordered:
         found = None
         if unplanned is not None:

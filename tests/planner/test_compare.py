@@ -16,6 +16,7 @@ def result():
     model.train()
     return compare(
         model, x, fractions=(0.75,), repeats=1, inner_repeats=1, compile_budgets=(0.5,),
+        compile_memory_budgets=(0.5,),  # the compile(0.5) row's measurement is reused
         compile_backend=("aot_eager", "eager"), iso=False, time_limit_s=5, name="stack",
     )
 
@@ -102,10 +103,15 @@ def test_ours_with_each_backend_is_measured_and_says_whether_it_fits(result) -> 
         assert r.measured, r
         assert r.method.startswith(f"{backend}("), r
         assert (r.regions == 0) == r.method.endswith(", none"), r
+        if r.method == "aot_eager(0.5), none":  # the compile(0.5) row's configuration: shared
+            same = result.row("compile(0.5)")
+            assert (r.measured_peak_bytes, r.step_ms) == (same.measured_peak_bytes, same.step_ms)
+            assert "compile(0.5) without a plan" in r.status
         assert r.fits == (r.measured_peak_bytes <= r.budget_bytes)
         assert r.status.startswith("ok") == bool(r.fits), r
 
 
+@pytest.mark.slow
 def test_ours_with_the_compilers_default_only_keeps_regions() -> None:
     """With the partitioner left at its default (compile_memory_budgets=(1.0,)), the small stack
     needs regions under aot_eager, and they keep more compiled than in eager: no plan gets the
@@ -147,7 +153,8 @@ def test_compiled_rows_never_fall_back_to_eager_silently(monkeypatch) -> None:
     before = (dc.recompile_limit, dc.fail_on_recompile_limit_hit)
     model, x = ln_linear_stack(batch=2, seq=4, dim=8, n=2)
     kw = dict(fractions=(0.75,), repeats=1, inner_repeats=1, iso=False, time_limit_s=5,
-              compile_budgets=(1.0, 0.8, 0.5, 0.2, 0.0), compile_backend=("aot_eager", "eager"))
+              compile_budgets=(1.0, 0.8, 0.5, 0.2, 0.0), compile_backend=("aot_eager", "eager"),
+              compile_memory_budgets=(1.0,))
     res = compare(model, x, **kw)
     rows = [r for r in res.rows if r.kind == "compile"]
     assert len(rows) == 10 and all(r.measured and r.status == "ok" for r in rows), rows
