@@ -171,7 +171,7 @@ def measure(
     )
 
 
-DISTRIBUTED_STEPS = 3
+DISTRIBUTED_STEPS = 6
 """Steps profiled on CPU when torch.distributed is initialized (see `_measure_cpu`)."""
 
 
