@@ -377,6 +377,8 @@ SPREAD_DRAWS = 4
 when no other batches are given."""
 MARGIN_ROUNDS = 3
 """Re-plans at most, each with the margin the measured peaks asked for."""
+
+
 def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_fn,
            autocast: torch.dtype | None) -> list[int]:
     """The planned step's measured peak on the example and each other batch, or on other random
@@ -614,6 +616,11 @@ def plan(
     budget = None if budget_gb is None and budget_bytes is None else \
         parse_budget(budget_gb) if budget_gb is not None else \
         parse_budget(budget_bytes, name="budget_bytes", unit=1)
+    if compile is not None and (not compile_memory_budgets or not all(
+            isinstance(m, int | float) and 0.0 <= m <= 1.0 for m in compile_memory_budgets)):
+        raise CkptPlannerError(
+            f"compile_memory_budgets={tuple(compile_memory_budgets)!r}: give one or more "
+            "values of activation_memory_budget between 0 and 1, e.g. (1.0,) or (1.0, 0.8, 0.5)")
     given, model = model, unwrap(model)
     _check_plannable(model)
     if applied(model) is not None:
