@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/gpu/bench.py` from anywhere
 import torch  # noqa: E402
 
 import planner  # noqa: E402
+from planner.compiled import compile_backend  # noqa: E402
 from planner.inplace import applying  # noqa: E402
 from solvers.chain import candidate_calls  # noqa: E402
 from solvers.graph import graph_index  # noqa: E402
@@ -508,7 +509,7 @@ class Bench:
                 t0 = time.perf_counter()
                 with self.attempt(row):
                     torch._dynamo.reset()  # no reuse of another budget's graphs
-                    backend = _compile_backend(b, a.compile_backend)
+                    backend = compile_backend(a.compile_backend, b)
                     if a.compile_scope == "model":
                         cm = torch.compile(model, backend=backend)
                     else:
@@ -730,20 +731,6 @@ def _caches_off() -> None:
 
     if hasattr(fc, "enable_autograd_cache"):
         fc.enable_autograd_cache = False
-
-
-def _compile_backend(budget: float, backend: str) -> Callable:
-    """A backend compiling with ``activation_memory_budget = budget`` (as `planner.compare`)."""
-    import torch._functorch.config as fc
-    from torch._dynamo import lookup_backend
-
-    inner = lookup_backend(backend)
-
-    def ckpt_bench_backend(gm, example_inputs):
-        with fc.patch(activation_memory_budget=budget):
-            return inner(gm, example_inputs)
-
-    return ckpt_bench_backend
 
 
 def _run(cmd: list[str]) -> str | None:
