@@ -165,7 +165,7 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
     budget b (None: none fits b); `step(compiled)` steps a compiled model once and returns its
     measured peak; `unplanned(m)`, where given, is the compiled model without a plan at
     partitioner budget m, already measured (its peak and the module to time). Schedules are
-    compiled once per partitioner budget however many eager budgets give them. Where the
+    compiled once per partitioner budget however many eager budgets or variants give them. Where the
     copy without a plan fits at a partitioner budget, no plan is searched there. Partitioner
     budgets below the first are searched with at most 3 eager budgets each; with `time_step`
     (a step's time in ms), the search goes down to the next partitioner budget only while the
@@ -195,7 +195,9 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
                 s = solve_at(variant, b)
                 if s is None:
                     return None
-                c = next((c for c in seen.values() if c.schedule.regions == s.regions), None)
+                # a schedule already compiled at m (by this or another variant) is not again
+                c = next((c for c in tried if c.memory_budget == m and c.schedule is not None
+                          and c.schedule.regions == s.regions), None)
                 if c is None:
                     compiled = compile_copy(model, s, backend, m)
                     c = Candidate(s, m, step(compiled), compiled, variant, b)

@@ -103,3 +103,19 @@ def test_rows_already_measured_are_reused_and_nothing_fitting_returns_no_candida
 def test_the_backend_is_a_name_at_the_default_budget():
     assert pc.compile_backend("inductor", 1.0) == "inductor"
     assert callable(pc.compile_backend("inductor", 0.5))
+
+
+def test_a_schedule_is_compiled_once_per_partitioner_budget_across_variants(compiles,
+                                                                           monkeypatch):
+    """Both profile variants (with runs of traced forwards, then module calls only) can give
+    the same schedule: it is compiled once, and listed once among what was measured."""
+    monkeypatch.setattr(pc, "compile_variants", lambda prof: [prof, prof])
+
+    def keeps_more(module) -> int:
+        return UNPLANNED[module.m] if module.schedule is None else 2 * module.schedule.b
+
+    fits, tried = _search(100, {}, step=keeps_more, memory_budgets=(1.0,), rounds=2)
+    assert fits == []
+    planned = [s.regions for s, _ in compiles if s is not None]
+    assert planned and len(planned) == len(set(planned))
+    assert len([c for c in tried if c.schedule is not None]) == len(planned)
