@@ -413,13 +413,14 @@ def solve_within(profile: Profile, budget_bytes: int, method: str = "auto",
 
 
 def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autocast, backend,
-                  method, time_limit_s, memory_budgets: Sequence[float]) -> Plan:
-    """The fastest compiled configuration whose step peaks within the budget less the slack,
-    measured (`planner.compiled`): our plan, the partitioner's ``activation_memory_budget``
-    among `memory_budgets`, or both."""
+                  method, time_limit_s, memory_budgets: Sequence[float],
+                  spread: int = 0) -> Plan:
+    """The fastest compiled configuration whose step peaks within the budget less the slack
+    and `spread` (what the peak moves from batch to batch), measured (`planner.compiled`): our
+    plan, the partitioner's ``activation_memory_budget`` among `memory_budgets`, or both."""
     # Compiled peaks are this process's step; `offset` is what a rank holds beside it.
     budget, local, offset = p.budget_bytes, p.local_profile, p.rank_offset_bytes()
-    target = budget - SLACK_BYTES - offset
+    target = budget - SLACK_BYTES - offset - spread
     remove(model)
     eager_none = simulate(local if local is not None else prof).peak_bytes
 
@@ -457,7 +458,8 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
         p, schedule=schedule, profile=used, budget_bytes=budget, local_profile=local,
         compiled_peak_bytes=best.peak_bytes, compiled_backend=backend,
         compile_memory_budget=best.memory_budget,
-        margin_bytes=max(0, target - best.eager_budget) if best.eager_budget is not None else 0)
+        margin_bytes=spread + (max(0, target - best.eager_budget)
+                               if best.eager_budget is not None else 0))
 
 
 def _fsdp_sharded(model: torch.nn.Module) -> bool:
@@ -653,11 +655,16 @@ def plan(
                               time_limit_s=time_limit_s)
         p.budget_bytes = budget
     p.local_profile = local
+    moves = prof.meta.data_dependent_ops or extra_inputs
     if budget is not None and compile is not None:
+        # Memory that moves from batch to batch is kept free below the compiled budget: the
+        # spread of the (eager) planned step's peak over other batches or random draws.
+        peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast) \
+            if moves else [0]
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
-                          time_limit_s, compile_memory_budgets)
+                          time_limit_s, compile_memory_budgets, max(peaks) - min(peaks))
         p.local_profile = local
-    if budget is not None and (prof.meta.data_dependent_ops or extra_inputs):
+    elif budget is not None and moves:
         # Memory moves from batch to batch: measure the planned step on other batches (or other
         # random draws) and keep the overshoot plus the spread below the budget.
         margin = 0
