@@ -123,6 +123,7 @@ def to_profile(
                 new_storages=tuple(r.new_storages),
                 saves=tuple(sorted(r.saves)) if r.phase in ("forward", "loss") else (),
                 grad_of=names[r.grad_of] if r.grad_of is not None else None,
+                python_backward=r.python_backward,
                 workspace_bytes=int(r.workspace_bytes),
                 flops=int(r.flops),
                 bytes_moved=int(r.bytes_moved),

@@ -65,6 +65,8 @@ class GraphIndex:
         self.grad_of = [
             self.name_to_i[nd.grad_of] if nd.grad_of is not None else -1 for nd in nodes
         ]
+        self.python_backward = [nd.python_backward for nd in nodes]
+        """Backward nodes run by a custom Function's Python backward (`Node.python_backward`)."""
         self.collectives = [i for i, nd in enumerate(nodes)
                             if nd.op.startswith(COLLECTIVE_PREFIX)]
         """Node indices of FSDP's events (`solvers.distributed`), which no region may hold."""
@@ -145,9 +147,10 @@ class IndexArrays:
                 self.release[s] = i
         self.persist = np.asarray(sorted(g.persist), dtype=np.int64)
         self.formula_end = np.full(n_st, -1, dtype=np.int64)
-        """Storages made by a backward formula: the formula's last op (`GraphIndex.bw_end`)."""
+        """Storages made by a C++ backward formula: the formula's last op (`GraphIndex.bw_end`).
+        A custom Function's Python backward frees them at their last reference instead."""
         for i in range(g.fwd_end + 1, g.n):
-            if g.grad_of[i] >= 0:
+            if g.grad_of[i] >= 0 and not g.python_backward[i]:
                 for s in g.new[i]:
                     self.formula_end[s] = g.bw_end[g.grad_of[i]]
         saves = [(f, s, e) for f, e in g.bw_end.items() for s in g.saves[f]

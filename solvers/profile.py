@@ -80,6 +80,10 @@ class Node:
     """Forward nodes: storages that this node's autograd node keeps for backward."""
     grad_of: str | None = None
     """Backward nodes: the forward node whose autograd node ran this op (None for the seed)."""
+    python_backward: bool = False
+    """Backward nodes: the autograd node that ran this op is written in Python (a custom
+    `torch.autograd.Function`), so what the op makes dies at its last reference, as Python
+    frees it, not when the backward formula returns as a C++ formula's temporaries do."""
     workspace_bytes: int = 0
     """Bytes the op allocates and frees again while it runs (beyond its outputs); measured on
     CPU from allocation events, 0 where unknown (estimate mode)."""
@@ -482,6 +486,10 @@ def _validate(p: Profile) -> None:
             raise ProfileError(f"{where}: inputs must be a list of node names")
         if n.grad_of is not None and not isinstance(n.grad_of, str):
             raise ProfileError(f"{where}: grad_of must be a node name or null")
+        if not isinstance(n.python_backward, bool):
+            raise ProfileError(f"{where}: python_backward must be true or false")
+        if n.python_backward and n.phase != "backward":
+            raise ProfileError(f"{where}: python_backward is set on a {n.phase!r} node")
         if n.name in seen:
             raise ProfileError(f"{where}: duplicate node name (first at nodes[{seen[n.name]}])")
         if n.phase not in PHASES:

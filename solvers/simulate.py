@@ -8,7 +8,8 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   after the later of: its last reader; the node after which the model's own code dropped its last
   reference (`Node.releases`, recorded by running the step: a local variable holds a tensor until
   the function returns); the end of the backward of every autograd node that saved it (its last
-  op, as backward formulas free their temporaries when they return); the end of the step for the
+  op, as backward formulas free their temporaries when they return; a custom Function's Python
+  backward frees them at their last use, `Node.python_backward`); the end of the step for the
   loss and parameter gradients.
 - A checkpointed region keeps its arguments (the checkpoint frame holds them) until the last of
   its autograd nodes has run backward: the tensors its ops read from outside, and whatever the
@@ -580,7 +581,8 @@ def _original_ends(g, regs: list[_Reg]) -> list[int]:
     np.maximum(last, a.release, out=last)
     last[a.persist] = g.end  # the loss and parameter gradients
     # A backward formula runs in C++: temporaries it creates live until the formula returns, so
-    # storages made by one autograd node's backward die no earlier than its last op.
+    # storages made by one autograd node's backward die no earlier than its last op (not so for
+    # a custom Function's Python backward, whose temporaries Python frees at their last use).
     np.maximum(last, np.where(last >= 0, a.formula_end, -1), out=last)
     # Saved by an op outside any region: kept until its backward ran.
     out = region_node[a.save_node] < 0

@@ -196,6 +196,8 @@ class OpRecord:
     new_storages: list[int] = field(default_factory=list)
     saves: set[int] = field(default_factory=set)
     grad_of: int | None = None
+    python_backward: bool = False
+    """Backward ops: run by an autograd node written in Python (a custom `autograd.Function`)."""
     flops: int = 0
     bytes_moved: int = 0
     time_ms: float = 0.0
@@ -518,13 +520,15 @@ class _Recorder(TorchDispatchMode):
         elif node is not None:
             owner = self.seq_owner.get(node._sequence_nr())
             rec.grad_of = owner
+            rec.python_backward = isinstance(node, torch.autograd.function.BackwardCFunction)
         self.ops.append(rec)
         if isinstance(out, tuple | list):
             for s in out_sids:
                 if s is None:
                     continue
                 g = OpRecord(name=self._name("getitem"), op="getitem", phase=self.phase,
-                             inputs=[idx], module=rec.module, storage=s, grad_of=rec.grad_of)
+                             inputs=[idx], module=rec.module, storage=s, grad_of=rec.grad_of,
+                             python_backward=rec.python_backward)
                 self.ops.append(g)
                 if s in new:
                     self.owner[s] = len(self.ops) - 1

@@ -293,6 +293,10 @@ def test_direct_construction_validates():
         nodes = list(p.nodes)
         nodes[3] = dataclasses.replace(nodes[3], grad_of="mm")
         dataclasses.replace(p, nodes=tuple(nodes))
+    with pytest.raises(ProfileError, match=r"python_backward is set on a 'forward' node"):
+        nodes = list(p.nodes)
+        nodes[3] = dataclasses.replace(nodes[3], python_backward=True)
+        dataclasses.replace(p, nodes=tuple(nodes))
     with pytest.raises(ProfileError, match=r"loss names 'nope'"):
         dataclasses.replace(p, loss="nope")
     with pytest.raises(ProfileError, match=r"model_outputs names 'nope'"):
@@ -304,6 +308,8 @@ def test_direct_construction_validates():
 # Values of the wrong JSON type must raise ProfileError, never a TypeError or AttributeError.
 WRONG_TYPES = {
     "time_ms is NaN": lambda d: _node(d, "relu").__setitem__("time_ms", float("nan")),
+    "python_backward is a string":
+        lambda d: _node(d, "relu").__setitem__("python_backward", "yes"),
     "time_ms is inf": lambda d: _node(d, "relu").__setitem__("time_ms", float("inf")),
     "meta is not an object": lambda d: d.__setitem__("meta", None),
     "nodes is not a list": lambda d: d.__setitem__("nodes", 5),
