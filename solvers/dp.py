@@ -331,17 +331,18 @@ class _Pool:
     found: dict[tuple[Region, ...], tuple[int, float]] = field(default_factory=dict)
     """Regions -> (simulated peak bytes, recompute ms) of every plan simulated so far."""
     done: set[int] = field(default_factory=set)
-    """Grid targets already solved."""
+    """Grid targets already solved (all of them, after the first call)."""
     floor: int | None = None
     """Low end of the grid: the smallest simulated peak of the DP's plans."""
 
 
-def _pool(profile: Profile, m: ChainModel, none_peak: int, budget_bytes: int
+def _pool(profile: Profile, m: ChainModel, none_peak: int
           ) -> list[tuple[int, float, tuple[Region, ...]]]:
-    """Verified DP plans, (peak, recompute ms, regions), for the targets of a fixed grid up to one step
-    above the budget. The grid (smallest peak the DP reaches to the unchecked peak) does not
-    depend on the budget, and a larger budget only adds targets, so `dp`'s answer never costs more
-    at a larger budget (the property `solve` promises). Solved targets are kept per profile."""
+    """Verified DP plans, (peak, recompute ms, regions), for every target of a fixed grid (the
+    smallest peak the DP reaches to the unchecked peak), solved once per profile. The pool does
+    not depend on the budget, so `dp`'s answer never costs more at a larger budget (the property
+    `solve` promises), and is the same whatever was solved on the profile before. A plan solved
+    for a target above the budget may still fit it (the chain model errs both ways)."""
     cache = cached(profile, "dp_pool", lambda _: _Pool())
     found = cache.found
 
@@ -366,12 +367,9 @@ def _pool(profile: Profile, m: ChainModel, none_peak: int, budget_bytes: int
         cache.floor = min((pk for pk, _ in found.values()), default=none_peak)
     floor = cache.floor
     for k in range(GRID_POINTS + 1):
-        step = (none_peak - floor) / GRID_POINTS
-        target = floor + step * k
-        if target > budget_bytes + step:  # one target above the budget: its plan may still fit
-            break
         if k in cache.done:
             continue
+        target = floor + (none_peak - floor) / GRID_POINTS * k
         cache.done.add(k)
         internal = target
         for _ in range(GRID_ITERS):
@@ -383,6 +381,30 @@ def _pool(profile: Profile, m: ChainModel, none_peak: int, budget_bytes: int
                 break
             internal -= peak - target
     return [(pk, ms, regs) for regs, (pk, ms) in found.items()]
+
+
+def _options(profile: Profile, m: ChainModel, none_peak: int, budget_bytes: int
+             ) -> list[tuple[int, float, tuple[Region, ...], str]]:
+    """(peak, recompute ms, regions, source) of every schedule `dp` chooses among."""
+    options = [(pk, ms, regs, "dp") for pk, ms, regs in _pool(profile, m, none_peak)]
+    for name, regs in _incumbents(profile, budget_bytes):
+        r = simulate(profile, regs)
+        options.append((r.peak_bytes, r.recompute_ms, regs, name))
+    return options
+
+
+def lowest_plans(profile: Profile, budget_bytes: int, count: int) -> list[tuple[Region, ...]]:
+    """The `count` schedules of lowest simulated peak (then least recompute) among those `dp`
+    chooses among at `budget_bytes`: where none fits, the starting points `nested` tries."""
+    none_peak = simulate(profile).peak_bytes
+    options = _options(profile, chain_model(profile), none_peak, budget_bytes)
+    out: list[tuple[Region, ...]] = []
+    for _, _, regs, _ in sorted(options, key=lambda o: (o[0], o[1], len(o[2]))):
+        if regs not in out:
+            out.append(regs)
+        if len(out) == count:
+            break
+    return out
 
 
 def dp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
@@ -398,10 +420,7 @@ def dp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -
     none_peak = simulate(profile).peak_bytes
     if none_peak <= budget_bytes:  # nothing to recompute: no regions is optimal
         return Schedule(regions=(), method="dp", status="optimal", stats=stats)
-    options = [(pk, ms, regs, "dp") for pk, ms, regs in _pool(profile, m, none_peak, budget_bytes)]
-    for name, regs in _incumbents(profile, budget_bytes):
-        r = simulate(profile, regs)
-        options.append((r.peak_bytes, r.recompute_ms, regs, name))
+    options = _options(profile, m, none_peak, budget_bytes)
     min_peak, _, min_regs, _ = min(options, key=lambda o: (o[0], o[1]))
     fits = [o for o in options if o[0] <= budget_bytes]
     stats["pool"] = len(options)

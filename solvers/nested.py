@@ -7,12 +7,15 @@ its attention and MLP are checkpointed too, so the block's replay keeps only the
 each of them replays in turn. non-reentrant `torch.utils.checkpoint` nests this way at run time
 (`solvers.simulate` follows it), and `planner.apply` wraps the inner modules as well.
 
-The method starts from `dp`'s schedule (its cheapest plan at the budget, or the plan with the
-lowest peak when none fits) and, while the simulated peak is above the budget, adds the module
-call that lowers it most: nested in a region, wrapping regions, or beside them; the same call of
-every repeated block at once (``model.layers.*.self_attn``) or one call, nearest the peak first.
-Every step is judged by `simulate`; it stops when the budget is met or nothing lowers the peak,
-and then drops the regions the budget does not need, largest first.
+The method starts from `dp`'s schedule (its cheapest plan at the budget, or, when none fits,
+each of its few plans of lowest peak in turn, keeping the best end) and, while the simulated
+peak is above the budget, adds the module call that lowers it most: nested in a region,
+wrapping regions, or beside them; the same call of every repeated block at once
+(``model.layers.*.self_attn``) or one call, nearest the peak first.
+Where no call added lowers the peak, it drops the region whose removal lowers it most (a
+replay can be what peaks) and goes on adding. Every step is judged by `simulate`; it stops when
+the budget is met or nothing lowers the peak, and then drops the regions the budget does not
+need, largest first.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from collections import defaultdict
 
 from solvers.chain import CallSpan, candidate_calls, region, useful_calls
-from solvers.dp import dp
+from solvers.dp import dp, lowest_plans
 from solvers.graph import graph_index
 from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
@@ -47,6 +50,12 @@ def _relative(child: CallSpan, parent: CallSpan) -> tuple[str, tuple[int, int] |
     return (cm[len(pm) + 1:] if pm else cm), child.segment
 
 
+STARTS = 3
+"""Where no schedule of dp's fits: the descent starts from this many of its lowest-peak ones
+(`solvers.dp.lowest_plans`) and keeps the best end. A greedy descent can stall on a start that
+another start of the same peak gets past."""
+
+
 def nested(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:
     """dp's schedule, with module calls nested inside its regions while that lowers the simulated
     peak towards `budget_bytes` (see the module docstring)."""
@@ -56,33 +65,85 @@ def nested(profile: Profile, budget_bytes: int, time_limit_s: float | None = Non
     if start.peak_bytes <= budget_bytes:
         return Schedule(regions=base.regions, method="nested", status=base.status,
                         min_peak_bytes=base.min_peak_bytes, stats={"source": "dp"})
+    deadline = None if time_limit_s is None else t0 + time_limit_s
+    starts = [base.regions] + [r for r in lowest_plans(profile, budget_bytes, STARTS)
+                               if r != base.regions]
+    best = None
+    for regs in starts[:STARTS]:
+        end = _descend(profile, regs, budget_bytes, deadline)
+        if end is None:  # dp's regions are not module calls (a graph profile)
+            if best is None:
+                return Schedule(regions=base.regions, method="nested", status="infeasible",
+                                min_peak_bytes=start.peak_bytes, stats={"source": "dp"})
+            continue
+        if best is None or _better(end, best, budget_bytes):
+            best = end
+        if best[1] <= budget_bytes:
+            break  # a start that fits: the one dp ranks best is the cheap one
+    chosen, peak, ms, steps, n_base = best
+    regions = _regions(profile, chosen)
+    status = "feasible" if peak <= budget_bytes else "infeasible"
+    return Schedule(regions=regions, method="nested", status=status,
+                    min_peak_bytes=int(min(peak, start.peak_bytes)),
+                    stats={"nesting_steps": steps, "nested": len(chosen) - n_base})
+
+
+def _better(a, b, budget_bytes: int) -> bool:
+    """Descent end `a` beats `b`: it fits and `b` does not, both fit and `a` recomputes less, or
+    neither fits and `a` peaks lower (then recomputes less)."""
+    fa, fb = a[1] <= budget_bytes, b[1] <= budget_bytes
+    if fa != fb:
+        return fa
+    return (a[2], a[1]) < (b[2], b[1]) if fa else (a[1], a[2]) < (b[1], b[2])
+
+
+def _descend(profile: Profile, base: tuple[Region, ...], budget_bytes: int,
+             deadline: float | None):
+    """From the schedule `base`, add the move that lowers the simulated peak most while it is
+    above `budget_bytes`, then drop the regions the budget does not need. Returns (chosen
+    calls, peak, recompute ms, steps, number of base regions), or None when a region of `base`
+    is not a module call."""
     spans = {(s.a, s.b): s for s in candidate_calls(profile)}
     useful = [s for s in useful_calls(profile) if s.call.module or s.segment is not None]
     chosen: list[CallSpan] = []
-    for r in base.regions:
+    for r in base:
         span = spans.get(_span_of(profile, r))
         if span is None:  # dp's regions are module calls on a recorded profile
-            return Schedule(regions=base.regions, method="nested", status="infeasible",
-                            min_peak_bytes=start.peak_bytes, stats={"source": "dp"})
+            return None
         chosen.append(span)
+    start = simulate(profile, _regions(profile, chosen))
     peak, ms = start.peak_bytes, start.recompute_ms
     at = start.peak_at
     steps = 0
-    deadline = None if time_limit_s is None else t0 + time_limit_s
     g = graph_index(profile)
     while peak > budget_bytes and steps < MAX_STEPS:
         if deadline is not None and time.perf_counter() > deadline:
             break
         best = None
         for move in _moves(chosen, useful, _near(g, profile, at)):
+            if deadline is not None and time.perf_counter() > deadline:
+                break  # the best move so far, if any
             sim = simulate(profile, _regions(profile, chosen + move))
             score = (sim.peak_bytes, sim.recompute_ms)
             if sim.peak_bytes < peak and (best is None or score < best[0]):
                 best = (score, move)
-        if best is None:
-            break
-        (peak, ms), move = best
-        chosen += move
+        if best is not None:
+            (peak, ms), move = best
+            chosen += move
+        else:
+            # Stalled: a region whose replay is what peaks may be better gone (its inputs are
+            # kept anyway); drop the one that lowers the peak most, then descend again.
+            for span in chosen:
+                if deadline is not None and time.perf_counter() > deadline:
+                    break
+                trial = [c for c in chosen if c is not span]
+                sim = simulate(profile, _regions(profile, trial))
+                score = (sim.peak_bytes, sim.recompute_ms)
+                if sim.peak_bytes < peak and (best is None or score < best[0]):
+                    best = (score, trial)
+            if best is None:
+                break
+            (peak, ms), chosen = best
         at = simulate(profile, _regions(profile, chosen)).peak_at
         steps += 1
     # Drop regions the budget does not need (largest first: they cost the most to replay).
@@ -92,11 +153,7 @@ def nested(profile: Profile, budget_bytes: int, time_limit_s: float | None = Non
             sim = simulate(profile, _regions(profile, trial))
             if sim.peak_bytes <= budget_bytes and sim.recompute_ms <= ms:
                 chosen, peak, ms = trial, sim.peak_bytes, sim.recompute_ms
-    regions = _regions(profile, chosen)
-    status = "feasible" if peak <= budget_bytes else "infeasible"
-    return Schedule(regions=regions, method="nested", status=status,
-                    min_peak_bytes=int(min(peak, start.peak_bytes)),
-                    stats={"nesting_steps": steps, "nested": len(chosen) - len(base.regions)})
+    return chosen, peak, ms, steps, len(base)
 
 
 def _near(g, profile: Profile, peak_at: str) -> int:

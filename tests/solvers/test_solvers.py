@@ -184,3 +184,25 @@ def test_dp_time_non_increasing_in_budget(p):
 def test_chain_helper():
     p = chain([1, 2, 3], per_block=1)
     assert len(blocks(p)) == 3
+
+
+@pytest.mark.parametrize("name", ["unet_h100"])
+def test_answer_does_not_depend_on_what_was_solved_before(name):
+    """dp keeps its verified plans per profile; the schedule at a budget is the same on a fresh
+    profile as after solves at other budgets (it was not: a plan found for a larger budget could
+    win, and where nothing fit, the lowest-peak start nested descends from changed)."""
+    from solvers import Profile
+    from tests.solvers.make_snapshots import ROOT
+
+    path = ROOT / "profiles" / f"{name}.json.gz"
+    probe = Profile.load(path)
+    none, low = simulate(probe).peak_bytes, smallest_peak(probe)
+    budgets = [low - (none - low) // 10, low, *(low + (none - low) * k // 4 for k in (1, 2, 3))]
+    for method in ("dp", "nested"):
+        for b in budgets:
+            fresh = solve(Profile.load(path), b, method)
+            used = Profile.load(path)
+            for other in reversed(budgets):  # larger budgets first
+                solve(used, other, "dp")
+            again = solve(used, b, method)
+            assert (again.regions, again.status) == (fresh.regions, fresh.status), (method, b)
