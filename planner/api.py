@@ -512,9 +512,11 @@ def _check_plannable(model: torch.nn.Module) -> None:
             )
 
 
-def _infeasible(profile: Profile, budget: int, schedule: Schedule) -> InfeasibleBudgetError:
-    """The error for a budget below the smallest achievable peak: that peak, what it is made of
-    (which no recomputation shrinks), and what would lower it."""
+def _infeasible(profile: Profile, budget: int, schedule: Schedule,
+                margin: int = 0) -> InfeasibleBudgetError:
+    """The error for a budget (less `margin`, kept free for what other batches measured) below
+    the smallest achievable peak: that peak, what it is made of (which no recomputation
+    shrinks), and what would lower it."""
     least = lowest(profile)
     peak = least.predicted_peak_bytes if least.feasible else (
         schedule.min_peak_bytes or smallest_peak(profile))
@@ -531,8 +533,13 @@ def _infeasible(profile: Profile, budget: int, schedule: Schedule) -> Infeasible
                       "(torch.autograd.graph.save_on_cpu)")
     if profile.optimizer_state_bytes:
         advice.append("shard the optimizer state (FSDP2) or use a lighter optimizer")
+    what = f"budget {format_bytes(budget)}" if not margin else (
+        f"budget {format_bytes(budget)}, less {format_bytes(margin)} kept free for other batches "
+        "(measured with the plan on the other batches given, or on other random draws, the "
+        f"step peaked higher or spread wider than on this one), leaves "
+        f"{format_bytes(max(budget - margin, 0))}, which")
     return InfeasibleBudgetError(
-        f"budget {format_bytes(budget)} is below the smallest achievable peak for this model and "
+        f"{what} is below the smallest achievable peak for this model and "
         f"batch ({format_bytes(peak)}, with regions nested inside regions where that helps). At "
         f"that peak: {shown}; recomputation cannot shrink these. Raise the budget, or "
         + "; or ".join(advice) + "."
@@ -656,21 +663,30 @@ def plan(
         p.budget_bytes = budget
     p.local_profile = local
     moves = prof.meta.data_dependent_ops or extra_inputs
+
+    def spread(peaks: list[int]) -> int:
+        """What other batches may add to the example's peak: with value-dependent memory, the
+        spread of the measured peaks (batches not given move as much); else what the batches
+        given peak above the example (their shapes fix their memory)."""
+        return max(peaks) - (min(peaks) if prof.meta.data_dependent_ops else peaks[0])
+
     if budget is not None and compile is not None:
         # Memory that moves from batch to batch is kept free below the compiled budget: the
         # spread of the (eager) planned step's peak over other batches or random draws.
         peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast) \
             if moves else [0]
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
-                          time_limit_s, compile_memory_budgets, max(peaks) - min(peaks))
+                          time_limit_s, compile_memory_budgets, spread(peaks))
         p.local_profile = local
     elif budget is not None and moves:
         # Memory moves from batch to batch: measure the planned step on other batches (or other
-        # random draws) and keep the overshoot plus the spread below the budget.
+        # random draws) and keep the overshoot, plus the spread of value-dependent memory,
+        # below the budget.
         margin = 0
         for _ in range(MARGIN_ROUNDS):
             peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast)
-            need = (p.rank_offset_bytes() + max(peaks) + (max(peaks) - min(peaks))
+            need = (p.rank_offset_bytes() + max(peaks)
+                    + (max(peaks) - min(peaks) if prof.meta.data_dependent_ops else 0)
                     - (budget - SLACK_BYTES))
             if need <= 0:
                 break
@@ -752,10 +768,7 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
         schedule = solve(profile, budget_bytes - SLACK_BYTES - margin_bytes, method=method,
                          time_limit_s=time_limit_s)
         if not schedule.feasible:
-            err = _infeasible(profile, budget_bytes - margin_bytes, schedule)
-            raise InfeasibleBudgetError(
-                f"{err} (The model's memory moves from batch to batch by up to "
-                f"{format_bytes(margin_bytes)}, measured, which the plan keeps free.)")
+            raise _infeasible(profile, budget_bytes, schedule, margin_bytes)
     else:
         schedule = solve_within(profile, budget_bytes, method, time_limit_s)
     t1 = time.perf_counter()

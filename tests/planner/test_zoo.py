@@ -133,6 +133,51 @@ def test_moe_at_half_its_activations_holds_the_budget_on_new_batches():
         planner.remove(model)
 
 
+class _DepthwiseOnChannelsLast(torch.nn.Module):
+    """A linear over channels, then a 3x3 depthwise convolution on the permuted (channels-last)
+    result, as SegFormer's Mix-FFN: on CPU (torch 2.13) the convolution's backward takes far more
+    scratch memory at a 2x2 feature map than at 4x4."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+        self.dw = torch.nn.Conv2d(64, 64, 3, padding=1, groups=64)
+
+    def forward(self, x):
+        return self.dw(self.fc(x).permute(0, 3, 1, 2))
+
+
+def test_smaller_batches_with_more_scratch_memory_are_held_with_extra_inputs():
+    """The README's "every smaller batch fits" has an exception: an op whose workspace grows as
+    its input shrinks. Planned for the large batch alone, the small one overshoots the budget;
+    given with `extra_inputs`, the budget holds for it, or the error says what was kept free."""
+    torch.manual_seed(0)
+    model = _DepthwiseOnChannelsLast().train()
+    big, small = torch.randn(4, 4, 4, 64), torch.randn(2, 2, 2, 64)
+
+    def loss_fn(out):
+        return out.pow(2).mean()
+
+    planned_alone = planner.plan(model, budget_bytes=measure(model, big, loss_fn, repeats=1)
+                                 .peak_bytes, example_inputs=big, loss_fn=loss_fn, repeats=1)
+    try:
+        small_peak = measure(model, small, loss_fn, repeats=1).peak_bytes
+        assert small_peak > planned_alone.budget_bytes  # the exception this test is about
+    finally:
+        planner.remove(model)
+    p = planner.plan(model, budget_bytes=small_peak + 64 * 1024, example_inputs=big,
+                     loss_fn=loss_fn, extra_inputs=[small], repeats=1)
+    try:
+        for x in (big, small):
+            assert measure(model, x, loss_fn, repeats=1).peak_bytes <= p.budget_bytes
+    finally:
+        planner.remove(model)
+    with pytest.raises(planner.InfeasibleBudgetError, match="kept free for other batches"):
+        planner.plan(model, budget_bytes=planned_alone.budget_bytes, example_inputs=big,
+                     loss_fn=loss_fn, extra_inputs=[small], repeats=1)
+    assert applied(model) is None
+
+
 def test_value_dependent_branch_models_plan():
     case, prof, _, _ = _case("value_branch")
     assert any(nd.op == "aten._local_scalar_dense.default" for nd in prof.nodes)
