@@ -59,6 +59,7 @@ __all__ = [
     "CASES",
     "Case",
     "bert",
+    "bloom_padded",
     "call",
     "convnext",
     "gpt2_eager",
@@ -67,6 +68,7 @@ __all__ = [
     "llama",
     "llama_padded",
     "mistral",
+    "mixtral",
     "mlp_targets",
     "moe_top2",
     "peft_lora_llama",
@@ -75,6 +77,7 @@ __all__ = [
     "t5",
     "value_branch",
     "vit",
+    "whisper",
 ]
 
 P = 0.1
@@ -305,6 +308,35 @@ def peft_lora_llama() -> Case:
     return Case(model, _lm_inputs(512, 2, 64), None, _lm_inputs(512, 1, 40), "decoder")
 
 
+def bloom_padded() -> Case:
+    """`BloomForCausalLM` on a left-padded batch: ALiBi position biases built from the mask, and
+    a tanh-GELU that is a custom `autograd.Function` with its backward written in Python (whose
+    temporaries Python frees at their last use, unlike a C++ formula's)."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    config = BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=P,
+                         attention_dropout=P, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = _hf(BloomForCausalLM, config)
+    return Case(model, _lm_inputs(512, 2, 64, [64, 45], side="left"), None,
+                _lm_inputs(512, 1, 40, [31], side="left"), "decoder")
+
+
+def mixtral() -> Case:
+    """`MixtralForCausalLM`: HF's sparse MoE block (4 experts, top-2 routing, each expert run on
+    the tokens routed to it: shapes that depend on values) and the router's auxiliary loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=128, num_local_experts=4,
+                           num_experts_per_tok=2, attention_dropout=P, output_router_logits=True,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = _hf(MixtralForCausalLM, config)
+    return Case(model, _lm_inputs(512, 2, 64), None, _lm_inputs(512, 1, 40), "moe")
+
+
 # -- encoders and encoder-decoders -------------------------------------------------------------
 
 
@@ -386,6 +418,34 @@ def t5() -> Case:
     inputs = _t5_inputs(2, 64, 32, [32, 25])
     small = _t5_inputs(1, 40, 24, [20])
     return Case(model, inputs, None, small, "encoder-decoder")
+
+
+def _whisper_inputs(batch: int, tgt: int, lengths: list[int]) -> dict[str, Any]:
+    real = torch.arange(tgt) < torch.tensor(lengths)[:, None]
+    return {"input_features": torch.randn(batch, 16, 64),
+            "labels": torch.randint(3, 512, (batch, tgt)).masked_fill(~real, -100),
+            "use_cache": False}
+
+
+def whisper() -> Case:
+    """`WhisperForConditionalGeneration`: a convolutional audio front end (log-mel features in),
+    an encoder, and a decoder whose labels are padded with -100 (shifted right into decoder
+    inputs by the model)."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = WhisperConfig(vocab_size=512, num_mel_bins=16, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=4, decoder_attention_heads=4, d_model=64,
+                           encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=32,
+                           max_target_positions=64, dropout=P, attention_dropout=P,
+                           activation_dropout=P, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                           decoder_start_token_id=1, suppress_tokens=None,
+                           begin_suppress_tokens=None)
+    model = _hf(WhisperForConditionalGeneration, config)
+    # The encoder's positions are fixed at 2 x max_source_positions frames: the smaller batch
+    # is smaller in batch and in target length.
+    return Case(model, _whisper_inputs(2, 32, [32, 25]), None, _whisper_inputs(1, 20, [17]),
+                "encoder-decoder")
 
 
 # -- vision ------------------------------------------------------------------------------------
@@ -647,5 +707,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "value_branch": value_branch,
     "moe_top2": moe_top2,
     "peft_lora_llama": peft_lora_llama,
+    "bloom_padded": bloom_padded,
+    "mixtral": mixtral,
+    "whisper": whisper,
 }
 """Every builder, by name."""
