@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,7 +195,9 @@ class Plan:
                 f"{extra:>9.2f} ms {100 * extra / max(p.step_ms, 1e-9):>5.1f}% "
                 f"{len(s.regions):>8}{note}"
             )
-        regions = ", ".join(region_label(r) for r in self.schedule.regions) or "none"
+        labels = Counter(region_label(r) for r in self.schedule.regions)
+        regions = ", ".join(name if n == 1 else f"{name} (each of its {n} calls)"
+                            for name, n in labels.items()) or "none"
         lines.append(f"checkpointed modules: {regions}")
         blocked = [c for c in p.calls if c.blocker]
         if blocked:

@@ -25,8 +25,9 @@ def call_blockers(rec: Recording) -> list[str]:
     """For each call of `rec.calls`: "" when running it under non-reentrant checkpoint replays
     exactly what ran, else the reason it would not.
 
-    - A module called more than once per step: a region wraps the module, so all of its calls
-      would be checkpointed together, which the solvers do not model.
+    - A module called more than once per step (a layer whose weights are shared across depth)
+      is not blocked for that: a region wraps the module, so its calls are regions only all
+      together (`solvers.chain.shared_calls`). If any one of its calls is blocked, all are.
 
     Ops whose output shapes depend on tensor values (``nonzero``, boolean masks, MoE token
     routing) do not block a call: its replay runs them on the same inputs with the RNG restored,
@@ -43,19 +44,24 @@ def call_blockers(rec: Recording) -> list[str]:
     made_at, writes = _writes(rec)
     out = []
     for c in rec.calls:
-        if per_module[c.module] > 1:
-            out.append(f"called {per_module[c.module]} times in one step")
-            continue
         reason = ""
-        if not reason:
-            for i, s in writes:
-                if c.start <= i <= c.end and made_at.get(s, -1) < c.start:
-                    reason = f"writes in place to a tensor made before the call ({rec.ops[i].op})"
-                    break
+        for i, s in writes:
+            if c.start <= i <= c.end and made_at.get(s, -1) < c.start:
+                reason = f"writes in place to a tensor made before the call ({rec.ops[i].op})"
+                break
         if not reason and any(c.start <= made_at.get(s, -1) <= c.end for s in c.holds):
             reason = ("stores tensors it makes into an object it was given (a KV cache: call the "
                       "model with use_cache=False for training)")
         out.append(reason)
+    # One wrapper checkpoints every call of a module: a blocked call blocks them all.
+    for m, n in per_module.items():
+        if n < 2:
+            continue
+        ks = [k for k, c in enumerate(rec.calls) if c.module == m]
+        first = next((out[k] for k in ks if out[k]), "")
+        if first:
+            for k in ks:
+                out[k] = f"called {n} times in one step, and one call {first}"
     return out
 
 

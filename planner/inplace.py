@@ -24,6 +24,7 @@ interpreter, with those runs checkpointed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import warnings
@@ -375,10 +376,14 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
                                 f"{type(module).__name__}, not an nn.Sequential")
         if r.module in targets:
             others = targets[r.module][1]
-            if r.segment is None or any(o.segment is None for o in others):
+            whole = r.segment is None and all(o.segment is None for o in others)
+            if whole and all(o.save_ops == r.save_ops for o in others):
+                others.append(r)  # the calls of a module called more than once: one wrapper
+            elif r.segment is None or any(o.segment is None for o in others):
                 raise ScheduleError(
                     f"module {r.module!r} is the region of two regions of the schedule")
-            others.append(r)
+            else:
+                others.append(r)
         else:
             targets[r.module] = (module, [r])
     wrapped: dict[str, CheckpointedForward | SegmentedForward | StagedForward] = {}
@@ -396,7 +401,12 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
                 StagedForward(module, regions, model) if regions[0].staged
                 else SegmentedForward(module, regions, model))
         else:
-            wrapper = CheckpointedForward(module, regions[0], model, previous)
+            # One region per call of the module (several where it is called more than once):
+            # the wrapper checkpoints every call, with the RNG and buffers any of them needs.
+            r = dataclasses.replace(
+                regions[0], preserve_rng=any(x.preserve_rng for x in regions),
+                buffers=tuple(sorted({b for x in regions for b in x.buffers})))
+            wrapper = CheckpointedForward(module, r, model, previous)
         module.__dict__["forward"] = wrapper
         wrapped[path] = wrapper
     plan = AppliedPlan(schedule=schedule, wrapped=wrapped)

@@ -9,15 +9,16 @@ derives from a profile is computed once per profile (`solvers.profile.cached`).
 
 On a profile recorded by running the step (``meta.capture == "run"``), `planner.apply` can only
 checkpoint a module's `forward`, so the regions a solver may choose are the profile's module calls
-that have no blocker (`candidate_calls`); `bind` gives each region the module it wraps and what
-the applier needs.
+that have no blocker (`candidate_calls`), and the calls of a module called more than once all
+together (`shared_calls`); `bind` gives each region the module it wraps and what the applier
+needs.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -49,8 +50,11 @@ __all__ = [
     "matmul_positions",
     "region",
     "selective_region",
+    "shared_calls",
+    "shared_modules",
     "storage_positions",
     "units",
+    "useful",
     "useful_calls",
     "valid_cuts",
 ]
@@ -429,10 +433,13 @@ def candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
 def _candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
     pos = graph_index(profile).position
     by_module = {c.module: c for c in profile.calls}
+    shared = shared_modules(profile)
     seen: set[tuple[int, int]] = set()
     out = []
     segments = []
     for c in profile.calls:  # ordered by start, outer first
+        if c.module in shared:  # only all its calls together (`shared_calls`)
+            continue
         a, b = pos(c.start), pos(c.end)
         if not c.blocker and (a, b) not in seen:
             seen.add((a, b))
@@ -445,13 +452,53 @@ def _candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
         if (span.a, span.b) not in seen:
             seen.add((span.a, span.b))
             out.append(span)
-    # Under FSDP (`solvers.distributed`) no region may hold a unit's all-gather or reshard.
-    g = graph_index(profile)
-    coll = [k for k, i in enumerate(g.forward)
-            if profile.nodes[i].op.startswith(COLLECTIVE_PREFIX)]
-    if coll:
-        out = [s for s in out if bisect.bisect_left(coll, s.a) == bisect.bisect_right(coll, s.b)]
+    out = [s for s in out if not _holds_collective(profile, s)]
     out.sort(key=lambda s: (s.a, -s.b))
+    return tuple(out)
+
+
+def _holds_collective(profile: Profile, span: CallSpan) -> bool:
+    """Under FSDP (`solvers.distributed`) no region may hold a unit's all-gather or reshard."""
+    coll = cached(profile, "collective_positions", lambda p: [
+        k for k, i in enumerate(graph_index(p).forward)
+        if p.nodes[i].op.startswith(COLLECTIVE_PREFIX)])
+    return bisect.bisect_left(coll, span.a) != bisect.bisect_right(coll, span.b)
+
+
+def shared_modules(profile: Profile) -> frozenset[str]:
+    """Modules called more than once in the step (a layer whose weights are shared across depth,
+    as ALBERT's): one wrapper checkpoints every call, so their calls are never candidates alone."""
+    return cached(profile, "shared_modules", lambda p: frozenset(
+        m for m, n in Counter(c.module for c in p.calls).items() if n > 1))
+
+
+def shared_calls(profile: Profile) -> tuple[tuple[CallSpan, ...], ...]:
+    """For each module called more than once whose calls can be regions (none blocked, none
+    inside another, none holding an FSDP collective): its calls' spans, which are regions only
+    all together. Where the calls span the same nodes as an outer module's (a module whose
+    forward only calls its child), the outer module's."""
+    return cached(profile, "shared_calls", _shared_calls)
+
+
+def _shared_calls(profile: Profile) -> tuple[tuple[CallSpan, ...], ...]:
+    pos = graph_index(profile).position
+    shared = shared_modules(profile)
+    by_module: dict[str, list[ModuleCall]] = {}
+    for c in profile.calls:  # ordered by start, outer first
+        if c.module in shared:
+            by_module.setdefault(c.module, []).append(c)
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    out = []
+    for calls in by_module.values():
+        if any(c.blocker for c in calls):
+            continue
+        spans = tuple(CallSpan(c, pos(c.start), pos(c.end), None, c.buffers) for c in calls)
+        key = tuple((s.a, s.b) for s in spans)
+        if key in seen or any(s.b >= t.a for s, t in zip(spans, spans[1:], strict=False)) \
+                or any(_holds_collective(profile, s) for s in spans):
+            continue
+        seen.add(key)
+        out.append(spans)
     return tuple(out)
 
 
@@ -529,7 +576,12 @@ def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
         return regions
     g = graph_index(profile)
     fwd = g.forward_names
-    spans = {(fwd[s.a], fwd[s.b]): s for s in candidate_calls(profile)}
+    # The calls of a module called more than once bind only all together: one wrapper
+    # checkpoints every call, so a schedule with some of them is not what would run.
+    have = {(r.start, r.end) for r in regions}
+    spans = {(fwd[s.a], fwd[s.b]): s for grp in shared_calls(profile)
+             if all((fwd[t.a], fwd[t.b]) in have for t in grp) for s in grp}
+    spans.update({(fwd[s.a], fwd[s.b]): s for s in candidate_calls(profile)})
     out = []
     for r in regions:
         span = spans.get((r.start, r.end))
@@ -572,12 +624,18 @@ def useful_calls(profile: Profile) -> tuple[CallSpan, ...]:
 
 
 def _useful_calls(profile: Profile) -> tuple[CallSpan, ...]:
+    return tuple(span for span in candidate_calls(profile) if useful(profile, span))
+
+
+def useful(profile: Profile, span: CallSpan) -> bool:
+    """Checkpointing `span` can lower memory (`useful_calls`)."""
+    # saved_made[k]: producer positions of the forward-made storages that position k saves; a
+    # span [a, b] is useful iff some k in [a, b] saves s with a <= made[s] <= k.
+    saved_made = cached(profile, "saved_made", _saved_made)
+    return any(span.a <= p for k in range(span.a, span.b + 1) for p in saved_made[k])
+
+
+def _saved_made(profile: Profile) -> list[list[int]]:
     g = graph_index(profile)
     made, _ = storage_positions(profile)
-    # saved_made[k]: producer positions of the forward-made storages that position k saves; a call
-    # [a, b] is useful iff some k in [a, b] saves s with a <= made[s] <= k.
-    saved_made = [[made[s] for s in profile.nodes[i].saves if s in made] for i in g.forward]
-    return tuple(
-        span for span in candidate_calls(profile)
-        if any(span.a <= p for k in range(span.a, span.b + 1) for p in saved_made[k])
-    )
+    return [[made[s] for s in profile.nodes[i].saves if s in made] for i in g.forward]

@@ -23,7 +23,15 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from solvers.chain import CallSpan, candidate_calls, region, useful_calls
+from solvers.chain import (
+    CallSpan,
+    candidate_calls,
+    region,
+    shared_calls,
+    shared_modules,
+    useful,
+    useful_calls,
+)
 from solvers.dp import dp, lowest_plans
 from solvers.graph import graph_index
 from solvers.profile import Profile
@@ -104,7 +112,10 @@ def _descend(profile: Profile, base: tuple[Region, ...], budget_bytes: int,
     calls, peak, recompute ms, steps, number of base regions), or None when a region of `base`
     is not a module call."""
     spans = {(s.a, s.b): s for s in candidate_calls(profile)}
-    useful = [s for s in useful_calls(profile) if s.call.module or s.segment is not None]
+    singles = [s for s in useful_calls(profile) if s.call.module or s.segment is not None]
+    groups = [list(grp) for grp in shared_calls(profile)
+              if any(useful(profile, s) for s in grp)]
+    shared = shared_modules(profile)
     chosen: list[CallSpan] = []
     for r in base:
         span = spans.get(_span_of(profile, r))
@@ -120,7 +131,7 @@ def _descend(profile: Profile, base: tuple[Region, ...], budget_bytes: int,
         if deadline is not None and time.perf_counter() > deadline:
             break
         best = None
-        for move in _moves(chosen, useful, _near(g, profile, at)):
+        for move in _moves(chosen, singles, _near(g, profile, at), groups):
             if deadline is not None and time.perf_counter() > deadline:
                 break  # the best move so far, if any
             sim = simulate(profile, _regions(profile, chosen + move))
@@ -133,10 +144,10 @@ def _descend(profile: Profile, base: tuple[Region, ...], budget_bytes: int,
         else:
             # Stalled: a region whose replay is what peaks may be better gone (its inputs are
             # kept anyway); drop the one that lowers the peak most, then descend again.
-            for span in chosen:
+            for unit in _units(chosen, shared):
                 if deadline is not None and time.perf_counter() > deadline:
                     break
-                trial = [c for c in chosen if c is not span]
+                trial = [c for c in chosen if all(c is not u for u in unit)]
                 sim = simulate(profile, _regions(profile, trial))
                 score = (sim.peak_bytes, sim.recompute_ms)
                 if sim.peak_bytes < peak and (best is None or score < best[0]):
@@ -148,12 +159,22 @@ def _descend(profile: Profile, base: tuple[Region, ...], budget_bytes: int,
         steps += 1
     # Drop regions the budget does not need (largest first: they cost the most to replay).
     if peak <= budget_bytes:
-        for span in sorted(chosen, key=lambda s: -(s.b - s.a)):
-            trial = [c for c in chosen if c is not span]
+        for unit in sorted(_units(chosen, shared), key=lambda u: -sum(s.b - s.a for s in u)):
+            trial = [c for c in chosen if all(c is not u for u in unit)]
             sim = simulate(profile, _regions(profile, trial))
             if sim.peak_bytes <= budget_bytes and sim.recompute_ms <= ms:
                 chosen, peak, ms = trial, sim.peak_bytes, sim.recompute_ms
     return chosen, peak, ms, steps, len(base)
+
+
+def _units(chosen: list[CallSpan], shared: frozenset[str]) -> list[list[CallSpan]]:
+    """`chosen` in the units a schedule can drop: every call of a module called more than once
+    together (one wrapper checkpoints them all), any other span alone."""
+    units: dict[object, list[CallSpan]] = {}
+    for s in chosen:
+        key = s.call.module if s.call.module in shared and s.segment is None else id(s)
+        units.setdefault(key, []).append(s)
+    return list(units.values())
 
 
 def _near(g, profile: Profile, peak_at: str) -> int:
@@ -203,17 +224,20 @@ MAX_SINGLES = 96
 """Single-call moves tried per step at most (the calls nearest the peak's region first)."""
 
 
-def _moves(chosen: list[CallSpan], useful: list[CallSpan], near: int) -> list[list[CallSpan]]:
+def _moves(chosen: list[CallSpan], spans: list[CallSpan], near: int,
+           shared: list[list[CallSpan]] = ()) -> list[list[CallSpan]]:
     """Candidate steps: every call of a starred path that fits (the same child of every
-    repeated block at once), then single calls, those whose span is nearest forward position
-    `near` (where the peak's region is) first."""
+    repeated block at once), every call of a module called more than once (`shared`: regions
+    only together), then single calls, those whose span is nearest forward position `near`
+    (where the peak's region is) first."""
     groups: dict[tuple, list[CallSpan]] = defaultdict(list)
     singles = []
-    for s in useful:
+    for s in spans:
         if _fits(s, chosen):
             groups[_pattern(s)].append(s)
             singles.append(s)
     moves = [g for g in groups.values() if len(g) > 1 and _compatible(g)]
+    moves += [grp for grp in shared if all(_fits(s, chosen) for s in grp)]
     singles.sort(key=lambda s: 0 if s.a <= near <= s.b else min(abs(s.a - near), abs(s.b - near)))
     return moves + [[s] for s in singles[:MAX_SINGLES]]
 

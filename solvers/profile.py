@@ -113,9 +113,10 @@ class ModuleCall:
     end: str
     """Last forward node of the call (inclusive)."""
     blocker: str = ""
-    """Why this call cannot be a checkpointed region ("" when it can), e.g. an op whose output
-    shape depends on tensor values, an in-place write to a tensor made before the call, or a
-    module called more than once in the step."""
+    """Why this call cannot be a checkpointed region ("" when it can), e.g. an in-place write to
+    a tensor made before the call, or a KV cache it stores into. The calls of a module called
+    more than once in the step (weights shared across depth) are regions only all together
+    (`solvers.chain.shared_calls`); profiles recorded before that was supported block them."""
     buffers: tuple[str, ...] = ()
     """Buffers the call updates in place (BatchNorm running statistics), by dotted name."""
     holds: tuple[int, ...] = ()

@@ -58,6 +58,7 @@ from torch.nn import functional as F
 __all__ = [
     "CASES",
     "Case",
+    "albert",
     "bert",
     "bloom_padded",
     "call",
@@ -378,6 +379,34 @@ def bert() -> Case:
     inputs = _bert_inputs(4, 64, [64, 50, 40, 20])
     small = _bert_inputs(2, 32, [32, 17])
     return Case(model, inputs, None, small, "encoder")
+
+
+def _mlm_inputs(batch: int, seq: int, lengths: list[int]) -> dict[str, torch.Tensor]:
+    """A right-padded batch for masked-LM training: labels on about a quarter of the real
+    tokens, -100 elsewhere."""
+    g = torch.Generator().manual_seed(batch * 1000 + seq)
+    real = torch.arange(seq) < torch.tensor(lengths)[:, None]
+    input_ids = torch.randint(1, 512, (batch, seq), generator=g).masked_fill(~real, 0)
+    chosen = (torch.rand(batch, seq, generator=g) < 0.25) & real
+    return {"input_ids": input_ids, "attention_mask": real.long(),
+            "labels": input_ids.masked_fill(~chosen, -100)}
+
+
+def albert() -> Case:
+    """`AlbertForMaskedLM`: one transformer layer whose weights are shared across all four
+    depths, so the same module is called four times in a step; wrapping it checkpoints every
+    call, and a plan may only take all four together."""
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    torch.manual_seed(0)
+    config = AlbertConfig(vocab_size=512, embedding_size=32, hidden_size=64,
+                          num_hidden_layers=4, num_hidden_groups=1, inner_group_num=1,
+                          num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=P,
+                          attention_probs_dropout_prob=P, classifier_dropout_prob=P,
+                          max_position_embeddings=128, pad_token_id=0)
+    model = _hf(AlbertForMaskedLM, config)
+    return Case(model, _mlm_inputs(4, 64, [64, 50, 40, 20]), None, _mlm_inputs(2, 32, [32, 17]),
+                "encoder")
 
 
 def _t5_inputs(batch: int, src: int, tgt: int, tgt_lengths: list[int]) -> dict[str, Any]:
@@ -707,6 +736,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "value_branch": value_branch,
     "moe_top2": moe_top2,
     "peft_lora_llama": peft_lora_llama,
+    "albert": albert,
     "bloom_padded": bloom_padded,
     "mixtral": mixtral,
     "whisper": whisper,

@@ -17,6 +17,7 @@ from planner import ModelRunError, plan, profile, remove
 from planner.capture.record import split_inputs
 from planner.devices import cpu_spec
 from planner.measurement import measure
+from solvers.chain import candidate_calls, shared_calls, shared_modules
 from solvers.errors import CkptPlannerError
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
@@ -209,19 +210,40 @@ def test_use_cache_blocks_layers_that_store_into_the_cache():
     assert "model.layers.0.mlp" not in blocked  # the MLP does not touch the cache
 
 
-def test_module_called_twice_is_blocked():
+def test_module_called_twice_is_a_region_only_with_both_calls():
+    """A module called twice (shared weights) is one wrapper at run time: its calls are never
+    candidates alone, only as a group; a blocked call blocks the group."""
+
     class Twice(nn.Module):
         def __init__(self):
             super().__init__()
             self.f = nn.Sequential(nn.Linear(16, 16), nn.GELU())
             self.g = nn.Linear(16, 16)
+            self.h = _AddOne()
 
         def forward(self, x):
-            return self.g(self.f(self.f(x)))
+            y = self.h(self.f(x), inplace=False)
+            return self.g(self.h(self.f(y).clone(), inplace=True))
 
     prof = profile(Twice(), torch.randn(32, 16), repeats=1)
-    assert all("called 2 times" in c.blocker for c in prof.calls if c.module == "f")
+    calls_f = [c for c in prof.calls if c.module == "f"]
+    assert len(calls_f) == 2 and not any(c.blocker for c in calls_f)
+    assert shared_modules(prof) == {"f", "f.0", "f.1", "h"}
+    assert not any(s.call.module.startswith("f") for s in candidate_calls(prof))
+    (group, *_) = shared_calls(prof)
+    assert [s.call.module for s in group] == ["f", "f"] and group[0].b < group[1].a
     assert not next(c for c in prof.calls if c.module == "g").blocker
+
+    # h's second call writes in place to its argument, so neither call can be a region.
+    blocked = [c.blocker for c in prof.calls if c.module == "h"]
+    assert blocked == ["called 2 times in one step, and one call writes in place to a tensor "
+                       "made before the call (aten.add_.Tensor)"] * 2
+    assert all(grp[0].call.module != "h" for grp in shared_calls(prof))
+
+
+class _AddOne(nn.Module):
+    def forward(self, x, inplace: bool):
+        return x.add_(1) if inplace else x + 1
 
 
 # -- no side effects -------------------------------------------------------------------------------
