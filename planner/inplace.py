@@ -377,7 +377,8 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
         if r.module in targets:
             others = targets[r.module][1]
             whole = r.segment is None and all(o.segment is None for o in others)
-            if whole and all(o.save_ops == r.save_ops for o in others):
+            if whole and all(o.save_ops == r.save_ops and (o.start, o.end) != (r.start, r.end)
+                             for o in others):
                 others.append(r)  # the calls of a module called more than once: one wrapper
             elif r.segment is None or any(o.segment is None for o in others):
                 raise ScheduleError(

@@ -383,6 +383,10 @@ def test_apply_refuses_node_range_and_unknown_module_regions(zoo):
                      status="feasible")
     with pytest.raises(ScheduleError, match="'blocks.7'.*another model"):
         planner.apply(e["model"], other)
+    twice = Schedule(regions=(Region(start=fwd[3], end=fwd[40], module="blocks.0"),) * 2,
+                     status="feasible")
+    with pytest.raises(ScheduleError, match="'blocks.0' is the region of two regions"):
+        planner.apply(e["model"], twice)
     assert applied(e["model"]) is None
 
 
