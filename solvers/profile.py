@@ -8,8 +8,9 @@ Memory is described at the level of storages, because that is what an allocator 
 in-place ops create no storage, and one storage may be read through many nodes. Every node names the
 storage its output lives in (`storage`) and the storages it allocates (`new_storages`); a forward node
 lists the storages its autograd node saved for backward (`saves`); a backward node names the forward
-node whose autograd node ran it (`grad_of`); a node lists the storages whose last reference the
-model's own code dropped right after it ran (`releases`: autograd's saved copies do not count).
+node whose autograd node ran it (`grad_of`), and whether that node's backward is Python code
+(`python_backward`, a custom autograd.Function); a node lists the storages whose last reference
+the model's own code dropped right after it ran (`releases`: autograd's saved copies do not count).
 
 `calls` lists every call of a module's `forward` as a span of forward nodes: the regions a plan
 applied to the model's own modules can checkpoint.
