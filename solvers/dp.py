@@ -324,27 +324,18 @@ GRID_ITERS = 3
 """Re-solves per target after the simulation overshoots it."""
 
 
-@dataclass
-class _Pool:
-    """The verified plans of one profile, kept between `dp` calls."""
-
-    found: dict[tuple[Region, ...], tuple[int, float]] = field(default_factory=dict)
-    """Regions -> (simulated peak bytes, recompute ms) of every plan simulated so far."""
-    done: set[int] = field(default_factory=set)
-    """Grid targets already solved (all of them, after the first call)."""
-    floor: int | None = None
-    """Low end of the grid: the smallest simulated peak of the DP's plans."""
-
-
-def _pool(profile: Profile, m: ChainModel, none_peak: int
-          ) -> list[tuple[int, float, tuple[Region, ...]]]:
+def _pool(profile: Profile) -> list[tuple[int, float, tuple[Region, ...]]]:
     """Verified DP plans, (peak, recompute ms, regions), for every target of a fixed grid (the
     smallest peak the DP reaches to the unchecked peak), solved once per profile. The pool does
     not depend on the budget, so `dp`'s answer never costs more at a larger budget (the property
     `solve` promises), and is the same whatever was solved on the profile before. A plan solved
     for a target above the budget may still fit it (the chain model errs both ways)."""
-    cache = cached(profile, "dp_pool", lambda _: _Pool())
-    found = cache.found
+    return cached(profile, "dp_pool", _solve_pool)
+
+
+def _solve_pool(profile: Profile) -> list[tuple[int, float, tuple[Region, ...]]]:
+    m, none_peak = chain_model(profile), simulate(profile).peak_bytes
+    found: dict[tuple[Region, ...], tuple[int, float]] = {}
 
     def sim(plan: Plan) -> int:
         regs = _regions(profile, m, plan)
@@ -353,24 +344,19 @@ def _pool(profile: Profile, m: ChainModel, none_peak: int
             found[regs] = (r.peak_bytes, r.recompute_ms)
         return found[regs][0]
 
-    if cache.floor is None:
-        # The smallest model budget with a plan, by bisection: the low end of the grid.
-        lo, hi = float(m.g_bytes), float(none_peak)
-        for _ in range(10):
-            mid = (lo + hi) / 2
-            plan = solve_chain(m, mid, POOL_BUCKETS)
-            if plan is None:
-                lo = mid
-            else:
-                sim(plan)
-                hi = mid
-        cache.floor = min((pk for pk, _ in found.values()), default=none_peak)
-    floor = cache.floor
+    # The smallest model budget with a plan, by bisection: the low end of the grid.
+    lo, hi = float(m.g_bytes), float(none_peak)
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        plan = solve_chain(m, mid, POOL_BUCKETS)
+        if plan is None:
+            lo = mid
+        else:
+            sim(plan)
+            hi = mid
+    floor = min((pk for pk, _ in found.values()), default=none_peak)
     for k in range(GRID_POINTS + 1):
-        if k in cache.done:
-            continue
         target = floor + (none_peak - floor) / GRID_POINTS * k
-        cache.done.add(k)
         internal = target
         for _ in range(GRID_ITERS):
             plan = solve_chain(m, internal, POOL_BUCKETS)
@@ -383,21 +369,25 @@ def _pool(profile: Profile, m: ChainModel, none_peak: int
     return [(pk, ms, regs) for regs, (pk, ms) in found.items()]
 
 
-def _options(profile: Profile, m: ChainModel, none_peak: int, budget_bytes: int
+def _options(profile: Profile, budget_bytes: int
              ) -> list[tuple[int, float, tuple[Region, ...], str]]:
-    """(peak, recompute ms, regions, source) of every schedule `dp` chooses among."""
-    options = [(pk, ms, regs, "dp") for pk, ms, regs in _pool(profile, m, none_peak)]
-    for name, regs in _incumbents(profile, budget_bytes):
-        r = simulate(profile, regs)
-        options.append((r.peak_bytes, r.recompute_ms, regs, name))
-    return options
+    """(peak, recompute ms, regions, source) of every schedule `dp` chooses among at
+    `budget_bytes`: the pool and the baselines' schedules, simulated once per profile and
+    budget (`dp` and `nested` at one budget share them)."""
+    per_budget = cached(profile, "dp_options", lambda _: {})
+    if budget_bytes not in per_budget:
+        options = [(pk, ms, regs, "dp") for pk, ms, regs in _pool(profile)]
+        for name, regs in _incumbents(profile, budget_bytes):
+            r = simulate(profile, regs)
+            options.append((r.peak_bytes, r.recompute_ms, regs, name))
+        per_budget[budget_bytes] = options
+    return per_budget[budget_bytes]
 
 
 def lowest_plans(profile: Profile, budget_bytes: int, count: int) -> list[tuple[Region, ...]]:
     """The `count` schedules of lowest simulated peak (then least recompute) among those `dp`
     chooses among at `budget_bytes`: where none fits, the starting points `nested` tries."""
-    none_peak = simulate(profile).peak_bytes
-    options = _options(profile, chain_model(profile), none_peak, budget_bytes)
+    options = _options(profile, budget_bytes)
     out: list[tuple[Region, ...]] = []
     for _, _, regs, _ in sorted(options, key=lambda o: (o[0], o[1], len(o[2]))):
         if regs not in out:
@@ -420,7 +410,7 @@ def dp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -
     none_peak = simulate(profile).peak_bytes
     if none_peak <= budget_bytes:  # nothing to recompute: no regions is optimal
         return Schedule(regions=(), method="dp", status="optimal", stats=stats)
-    options = _options(profile, m, none_peak, budget_bytes)
+    options = _options(profile, budget_bytes)
     min_peak, _, min_regs, _ = min(options, key=lambda o: (o[0], o[1]))
     fits = [o for o in options if o[0] <= budget_bytes]
     stats["pool"] = len(options)

@@ -44,20 +44,6 @@ MAX_STEPS = 256
 """Nesting steps at most (each adds one call, or one child in every repeated region)."""
 
 
-def _key(span: CallSpan) -> tuple[str, tuple[int, int] | None]:
-    return span.call.module, span.segment
-
-
-def _relative(child: CallSpan, parent: CallSpan) -> tuple[str, tuple[int, int] | None] | None:
-    """The child's module path relative to the parent's (``self_attn``), None if not below it."""
-    pm, cm = parent.call.module, child.call.module
-    if parent.segment is not None or cm == pm:
-        return None
-    if pm and not cm.startswith(pm + "."):
-        return None
-    return (cm[len(pm) + 1:] if pm else cm), child.segment
-
-
 STARTS = 3
 """Where no schedule of dp's fits: the descent starts from this many of its lowest-peak ones
 (`solvers.dp.lowest_plans`) and keeps the best end. A greedy descent can stall on a start that

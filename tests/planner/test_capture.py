@@ -138,7 +138,8 @@ class _GeluMLP(nn.Module):
 def test_custom_function_backward_frees_temporaries_at_last_use():
     """A custom Function's backward is Python: its temporaries die at their last use, not when
     the formula returns as a C++ formula's do. Before the profile told them apart, this model's
-    peak was predicted at 2.25x the measured one, and budgets it meets were called infeasible."""
+    peak was predicted far above the measured one, and budgets it meets were called
+    infeasible."""
     torch.manual_seed(0)
     model, x = nn.Sequential(_GeluMLP(), _GeluMLP()).train(), torch.randn(8, 64, 64)
 
