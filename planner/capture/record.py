@@ -801,7 +801,8 @@ def record_step(
     # The loss and gradients die now, after every recorded op, as at the step's end; so does
     # what only reference cycles kept (they would wait for the garbage collector in training too).
     rec.__dict__.pop("_final_refs", None)
-    gc.collect()
+    if _unreleased(rec):
+        gc.collect()  # a full collection costs in proportion to the whole process's objects
     recording = _assemble(spec, rec, out_sids, loss_sid, grad_sids, input_shapes)
     if stages:
         recording.staged = _find_stages(spec, recording)
@@ -810,6 +811,14 @@ def record_step(
     if workspace and not fake and (device is None or device.type == "cpu"):
         _measure_workspace(spec, recording)
     return recording
+
+
+def _unreleased(rec: _Recorder) -> bool:
+    """Whether a storage made by the step is still alive after the step (held by a reference
+    cycle until the garbage collector runs, or by something outside the step)."""
+    done = rec.release_at
+    return any(sid not in done and sid not in rec.fixed_kind
+               for sid in range(len(rec.storage_bytes)))
 
 
 def _run_error(spec: StepSpec, rec: _Recorder, e: Exception) -> CkptPlannerError:

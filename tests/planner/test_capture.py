@@ -7,6 +7,7 @@ Every TINY model is profiled once in measure mode (``repeats=1``) and shared by 
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -106,6 +107,37 @@ def test_releases_record_what_python_keeps_alive():
     last_reader = max(i for i, n in enumerate(prof.nodes) if cat.name in n.inputs)
     assert released_at > last_reader
     measured = measure(model, x, lambda out: out[0].sum(), repeats=1).peak_bytes
+    assert simulate(prof).peak_bytes == pytest.approx(measured, rel=0.005)
+
+
+def test_a_tensor_held_by_a_reference_cycle_lives_to_the_end_of_the_step():
+    """A tensor that only a reference cycle keeps (an object pointing at itself) dies when the
+    garbage collector runs, not at its last reader: the profile keeps it to the end of the step,
+    as training would, and the simulated peak is the measured one."""
+
+    class Cyclic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+            self.b = nn.Linear(64, 64)
+
+        def forward(self, x):
+            box: dict = {"wide": torch.cat([x] * 8, dim=1)}
+            box["self"] = box  # a cycle: `wide` outlives the forward until a collection
+            return self.b(self.a(box["wide"][:, :64]).relu())
+
+    model, x = Cyclic(), torch.randn(256, 64)
+    gc.collect()
+    gc.disable()  # no automatic collection in the middle of the step
+    try:
+        prof = profile(model, x, repeats=1)
+        measured = measure(model, x, repeats=1).peak_bytes
+    finally:
+        gc.enable()
+    cat = next(n for n in prof.nodes if n.op == "aten.cat.default")
+    (s,) = cat.new_storages
+    released_at = next(i for i, n in enumerate(prof.nodes) if s in n.releases)
+    assert released_at == len(prof.nodes) - 1
     assert simulate(prof).peak_bytes == pytest.approx(measured, rel=0.005)
 
 
