@@ -27,15 +27,33 @@ from solvers.solve import finish
 __all__ = ["checkpoint_costs", "region_cost_on_model", "selective_op_cost"]
 
 
+_MEASURED: dict[tuple[str, int | None, int, int], tuple[float, float, float]] = {}
+"""`checkpoint_costs` per (device, n, reps), measured once per process."""
+
+
 def checkpoint_costs(device: torch.device, sync: Callable[[], None], n: int = 32,
                      reps: int = 30) -> tuple[float, float, float]:
     """(ms per region, ms per saved tensor, ms per selective-region op) on `device`.
+
+    These are costs of torch's checkpoint machinery on the device, not of any model: measured on
+    the first call for a device and the same figures returned after that (a process that
+    profiles many models, or one model at several batches, does not re-measure them, and its
+    profiles agree on them). The model-specific refinements (`selective_op_cost`,
+    `region_cost_on_model`) run per profile.
 
     A chain of `n` tiny ops that each save their input is run plain, as one checkpointed region,
     and as 8 regions, alternating, `reps` times (medians). With r the chain's forward time:
     8 regions - 1 region = 7 per-region costs; 1 region - plain - per-region - r = n saved-tensor
     costs (pack in forward, pack again in the replay, unpack); a selective region that recomputes
     everything minus the plain region = n per-op costs of the selective dispatch mode."""
+    key = (device.type, device.index, n, reps)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure_costs(device, sync, n, reps)
+    return _MEASURED[key]
+
+
+def _measure_costs(device: torch.device, sync: Callable[[], None], n: int,
+                   reps: int) -> tuple[float, float, float]:
     from torch.utils.checkpoint import (
         CheckpointPolicy,
         checkpoint,

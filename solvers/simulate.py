@@ -322,7 +322,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         for s in r.holds:  # reached through the region's arguments, which the frame keeps
             if s not in g.fixed_storages and r.bw_end > last[s]:
                 last[s] = r.bw_end
-        if not r.saved:
+        if not r.saved and not timeline:
             # A region's replay depends only on its span and the regions nested in it (the
             # same in many schedules): computed once per profile.
             key = sig(k)
@@ -331,9 +331,12 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                 if len(g.replays) >= MEMO_SIZE:
                     g.replays.clear()
                 rep = g.replays[key] = _replay(g, r, (handed, keep_for), None, None,
-                                               calls_in(k))
+                                               calls_in(k), with_ops=False)
+        elif not r.saved:
+            rep = _replay(g, r, (handed, keep_for), None, None, calls_in(k))
         else:
-            rep = _replay(g, r, (handed, keep_for), last, replay_freed, calls_in(k))
+            rep = _replay(g, r, (handed, keep_for), last, replay_freed, calls_in(k),
+                          with_ops=timeline)
         replay_ops[k] = rep
         held.extend(rep.held.items())
         # the replayed ops, and checkpoint's own host cost: per region, per tensor it packs
@@ -445,8 +448,8 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
 
 @dataclass(frozen=True)
 class _Replay:
-    """What one region's replay runs: (op, storages it allocates, storages freed after it),
-    the replay copies kept for backward (storage -> node index they die at), the replayed ops'
+    """What one region's replay runs: (op, storages it allocates, storages freed after it;
+    listed only for the timeline sweep), the replay copies kept for backward (storage -> node index they die at), the replayed ops'
     time, and the same ops as arrays for `_sweep` (bytes allocated, freed, workspace, op)."""
 
     ops: list[tuple[int, list[int], list[int]]]
@@ -461,8 +464,8 @@ class _Replay:
 
 def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int] | None,
             replay_freed: set[int] | None,
-            calls: tuple[bool, list[tuple[int, bool, tuple[int, ...]]]] = (False, [])
-            ) -> _Replay:
+            calls: tuple[bool, list[tuple[int, bool, tuple[int, ...]]]] = (False, []),
+            with_ops: bool = True) -> _Replay:
     """The replay of region `r`. A selective region (saved nodes) also updates `last` and
     `replay_freed` for its cached outputs; a region with children keeps each child's inputs
     (`nested`: `_simulate`'s ``handed`` and ``keep_for``) as long as the child needs them.
@@ -474,6 +477,9 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     random region, a copy of the CPU RNG state, as `fork_rng` keeps one for the whole replay of
     a random region. A nested call starting right after the early stop stashes its copy and
     unwinds at once.
+
+    `with_ops`: also list the replayed ops one by one (`_Replay.ops`, for the timeline sweep);
+    `_sweep` reads the arrays only.
     """
     hold: dict[int, int] = {}  # storages this replay keeps for backward, until when
     for i in r.own:
@@ -536,7 +542,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                 held[s] = hold[s]
             else:
                 frees.setdefault(read_pos.get(s, pos), []).append(s)
-    out = [(i, alloc, frees.get(pos, [])) for pos, (i, alloc) in enumerate(ops)]
+    out = [(i, alloc, frees.get(pos, [])) for pos, (i, alloc) in enumerate(ops)] if with_ops else []
     if r.saved:
         assert last is not None
         for i in r.saved:
