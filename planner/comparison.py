@@ -36,7 +36,13 @@ from typing import Any
 import torch
 
 from planner.api import SLACK_BYTES, InfeasibleBudgetError, solve_within
-from planner.compiled import MEMORY_BUDGETS, compile_backend, compile_copy, raise_recompile_limit
+from planner.compiled import (
+    EAGER_COST,
+    MEMORY_BUDGETS,
+    compile_backend,
+    compile_copy,
+    raise_recompile_limit,
+)
 from planner.compiled import fastest as compiled_fastest
 from planner.compiled import search as compiled_search
 from planner.inplace import applied, apply_schedule, remove
@@ -795,6 +801,8 @@ def compare(
                 best = compiled_fastest(fits, time_step)
                 row.method = f"{backend}({best.memory_budget:g}), " + (
                     best.schedule.method if best.schedule is not None else "none")
+                if best.schedule is not None and best.cost_model != EAGER_COST.name:
+                    row.method += f" ({best.cost_model})"
                 if best.schedule is None:
                     row.regions, row.predicted_extra_pct = 0, 0.0
                     e = add(row, None)

@@ -9,13 +9,16 @@ at one ``activation_memory_budget`` of `MEMORY_BUDGETS`, and stepped once for it
 
 For each partitioner budget, from the largest: the copy without a plan (where that fits, the
 search stops, as a lower budget only recomputes more), else our plans at the eager budgets
-`compiled_budget` finds. The candidates that fit are then timed in turn (`fastest`): the plan is
-the fastest of our regions, the compiler's own recomputation, or both together.
+`compiled_budget` finds, under each of the backend's `cost_models` (the eager profile's op times,
+and for inductor also one where fused pointwise recomputation is cheap). The candidates that fit
+are then timed in turn (`fastest`): the plan is the fastest of our regions, the compiler's own
+recomputation, or both together.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from planner.inplace import apply_schedule
 from solvers.chain import module_calls_only
 from solvers.profile import Profile
 from solvers.schedule import Schedule
+from solvers.solve import finish
 
 COMPILED_ROUNDS = 5
 """Eager budgets tried at most per partitioner budget; a budget giving a schedule already
@@ -36,6 +40,12 @@ MEMORY_BUDGETS = (1.0, 0.8, 0.5)
 default, largest first; 1.0 is the compiler's default (no extra recomputation)."""
 TIMING_ROUNDS = 3
 """Rounds of timed steps over the fitting candidates (each round steps every one in turn)."""
+FUSED_POINTWISE = 0.3
+"""A search parameter, not a prediction: in the inductor cost model (`fused_pointwise`), the
+fraction of its eager time that recomputing a forward op without FLOPs (pointwise, reduction,
+view) costs. Inductor fuses such ops into the kernels around them, so the eager profile's times
+overstate their recomputation and steer the solver toward recomputing matmuls instead. Plans
+from both cost models are compiled and measured; which is kept is decided by measured time."""
 RECOMPILE_LIMIT = 256
 """Compilations of the same code dynamo is allowed while candidates are measured (each compiled
 copy of the model compiles its forward again)."""
@@ -120,6 +130,36 @@ def compile_variants(prof: Profile) -> list[Profile]:
     return [prof, module_calls_only(prof)] if any(c.stages for c in prof.calls) else [prof]
 
 
+def fused_pointwise(prof: Profile, factor: float = FUSED_POINTWISE) -> Profile:
+    """`prof` with every forward op that has no FLOPs timed at `factor` of its measured time:
+    the profile the inductor cost model plans on. Memory is unchanged, so a schedule's simulated
+    peak is the same on both profiles."""
+    nodes = tuple(dataclasses.replace(n, time_ms=n.time_ms * factor)
+                  if n.phase == "forward" and n.flops == 0 else n for n in prof.nodes)
+    return dataclasses.replace(prof, nodes=nodes)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A cost model the compiled search plans under: the profile the solver sees."""
+
+    name: str
+    plan_on: Callable[[Profile], Profile] | None = None
+    """The profile to solve on, from the profile variant (None: the variant itself). A schedule
+    solved on another profile is re-simulated on the variant, so that its predicted time is the
+    eager profile's."""
+
+
+EAGER_COST = CostModel("eager")
+INDUCTOR_COST = CostModel(f"fused pointwise x{FUSED_POINTWISE:g}", fused_pointwise)
+
+
+def cost_models(backend: str) -> tuple[CostModel, ...]:
+    """The cost models the compiled search plans under for `backend`: the eager profile's
+    times, and for inductor (which fuses pointwise ops) also `fused_pointwise`'s."""
+    return (EAGER_COST, INDUCTOR_COST) if backend == "inductor" else (EAGER_COST,)
+
+
 def compile_copy(model: torch.nn.Module, schedule: Schedule | None, backend: str,
                  memory_budget: float) -> torch.nn.Module:
     """A deep copy of `model` (unplanned) with `schedule` applied, under ``torch.compile``."""
@@ -145,6 +185,8 @@ class Candidate:
     """The profile `schedule` was solved from (one of `compile_variants`)."""
     eager_budget: int | None = None
     """The eager budget `schedule` was solved for."""
+    cost_model: str = EAGER_COST.name
+    """The cost model `schedule` was solved under (`cost_models`)."""
     step_ms: list[float] = field(default_factory=list)
 
     def label(self, backend: str) -> str:
@@ -158,26 +200,29 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
            time_step: Callable[[torch.nn.Module], float] | None = None,
            unplanned: Callable[[float], tuple[int, torch.nn.Module | None]] | None = None,
            memory_budgets: Sequence[float] = MEMORY_BUDGETS,
-           rounds: int = COMPILED_ROUNDS) -> tuple[list[Candidate], list[Candidate]]:
+           rounds: int = COMPILED_ROUNDS,
+           costs: Sequence[CostModel] | None = None) -> tuple[list[Candidate], list[Candidate]]:
     """The compiled configurations within `target` bytes, and every one measured.
 
     `model` is unplanned and left so. `solve_at(profile, b)` is the schedule planned at eager
     budget b (None: none fits b); `step(compiled)` steps a compiled model once and returns its
     measured peak; `unplanned(m)`, where given, is the compiled model without a plan at
-    partitioner budget m, already measured (its peak and the module to time). Schedules are
-    compiled once per partitioner budget however many eager budgets or variants give them. Where the
-    copy without a plan fits at a partitioner budget, no plan is searched there. Partitioner
-    budgets below the first are searched with at most 3 eager budgets each; with `time_step`
-    (a step's time in ms), the search goes down to the next partitioner budget only while the
-    last one's configuration measured faster than the one before (timed in turn: recomputing
-    more in the compiler can be faster, moving fewer bytes); without it, it stops at the first
-    budget where the copy without a plan fits."""
+    partitioner budget m, already measured (its peak and the module to time). At each
+    partitioner budget, one plan is searched per cost model (`costs`, default
+    `cost_models(backend)`), each from the first profile variant that gives one that fits.
+    Schedules are compiled once per partitioner budget however many eager budgets, variants or
+    cost models give them. Where the copy without a plan fits at a partitioner budget, no plan is
+    searched there. Partitioner budgets below the first are searched with at most 3 eager
+    budgets each; with `time_step` (a step's time in ms), the search goes down to the next
+    partitioner budget only while that one's fastest configuration measured faster than every
+    one before (timed in turn: recomputing more in the compiler can be faster, moving fewer
+    bytes); without it, it stops at the first budget where the copy without a plan fits."""
     fits: list[Candidate] = []
     tried: list[Candidate] = []
     # dynamo's "eager" backend runs the captured graph as is: no partitioner to set
     ordered = [1.0] if backend == "eager" else sorted(set(memory_budgets), reverse=True)
     for m in ordered:
-        found = None
+        found: list[Candidate] = []
         if unplanned is not None:
             peak, module = unplanned(m)
         else:
@@ -186,40 +231,52 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
         none = Candidate(None, m, peak, module if peak <= target else None)
         tried.append(none)
         if peak <= target:
-            found = none
-        for variant in compile_variants(prof) if found is None else ():
-            seen: dict[int, Candidate] = {}
+            found.append(none)
+        for cost in (costs if costs is not None else cost_models(backend)) if not found else ():
+            for variant in compile_variants(prof):
+                seen: dict[int, Candidate] = {}
+                planned_on = variant if cost.plan_on is None else cost.plan_on(variant)
 
-            def try_at(b: int, variant: Profile = variant,
-                       seen: dict[int, Candidate] = seen, m: float = m) -> int | None:
-                s = solve_at(variant, b)
-                if s is None:
-                    return None
-                # a schedule already compiled at m (by this or another variant) is not again
-                c = next((c for c in tried if c.memory_budget == m and c.schedule is not None
-                          and c.schedule.regions == s.regions), None)
-                if c is None:
-                    compiled = compile_copy(model, s, backend, m)
-                    c = Candidate(s, m, step(compiled), compiled, variant, b)
-                    if c.peak_bytes > target:
-                        c.module = None  # only the fitting copies are kept, to be timed
-                    tried.append(c)
-                seen[b] = c
-                return c.peak_bytes
+                def try_at(b: int, variant: Profile = variant, planned_on: Profile = planned_on,
+                           cost: CostModel = cost, seen: dict[int, Candidate] = seen,
+                           m: float = m) -> int | None:
+                    s = solve_at(planned_on, b)
+                    if s is None:
+                        return None
+                    # a schedule already compiled at m (by this or another variant or cost
+                    # model) is not again
+                    c = next((c for c in tried if c.memory_budget == m and c.schedule is not None
+                              and c.schedule.regions == s.regions), None)
+                    if c is None:
+                        if planned_on is not variant:  # predictions on the eager profile
+                            s = finish(variant, s, b)
+                            s = dataclasses.replace(s, stats={**s.stats,
+                                                              "cost_model": cost.name})
+                        compiled = compile_copy(model, s, backend, m)
+                        c = Candidate(s, m, step(compiled), compiled, variant, b, cost.name)
+                        if c.peak_bytes > target:
+                            c.module = None  # only the fitting copies are kept, to be timed
+                        tried.append(c)
+                    seen[b] = c
+                    return c.peak_bytes
 
-            b = compiled_budget(target, eager_none, peak, try_at,
-                                rounds if m == ordered[0] else min(rounds, 3))
-            if b is not None:
-                found = seen[b]
-                break
-        if found is None:
+                b = compiled_budget(target, eager_none, peak, try_at,
+                                    rounds if m == ordered[0] else min(rounds, 3))
+                if b is not None:
+                    if all(seen[b] is not c for c in found):
+                        found.append(seen[b])
+                    break
+        if not found:
             continue
-        fits.append(found)
-        if time_step is None and found.schedule is None:
+        before = list(fits)
+        fits.extend(found)
+        if time_step is None and found[0].schedule is None:
             break  # the compiler alone fits; untimed, a lower budget is not worth compiling
         if time_step is not None and len(fits) > 1:
-            _time(fits[-2:], time_step, TIMING_ROUNDS)
-            if _median(fits[-1]) >= _median(fits[-2]):
+            timed = [c for c in before if c.step_ms]
+            _time(([min(timed, key=_median)] if timed else [])
+                  + [c for c in fits if not c.step_ms], time_step, TIMING_ROUNDS)
+            if before and min(map(_median, found)) >= min(map(_median, before)):
                 break  # recomputing more in the compiler stopped paying
     return fits, tried
 

@@ -4,6 +4,7 @@ configuration is chosen. The compiled runs themselves are in test_compile.py (sl
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -33,12 +34,20 @@ def _step(module) -> int:
     return module.schedule.b - (EAGER_NONE - UNPLANNED[module.m])
 
 
+@dataclass(frozen=True)
+class _Schedule:
+    regions: tuple
+    b: int
+    stats: dict = field(default_factory=dict)
+
+
 def _solve_at(profile, b):
-    return None if b < 80 else SimpleNamespace(regions=(b,), b=b)  # no eager plan below 80
+    return None if b < 80 else _Schedule(regions=(b,), b=b)  # no eager plan below 80
 
 
 def _search(target, times, step=_step, **kw):
     prof = SimpleNamespace(calls=())
+    kw.setdefault("costs", (pc.EAGER_COST,))
     return pc.search(object(), prof, target, backend="inductor", eager_none=EAGER_NONE,
                      solve_at=_solve_at, step=step,
                      time_step=lambda module: times[module.m], **kw)
@@ -119,3 +128,75 @@ def test_a_schedule_is_compiled_once_per_partitioner_budget_across_variants(comp
     planned = [s.regions for s, _ in compiles if s is not None]
     assert planned and len(planned) == len(set(planned))
     assert len([c for c in tried if c.schedule is not None]) == len(planned)
+
+
+def test_inductor_searches_a_plan_per_cost_model_and_keeps_the_faster(compiles, monkeypatch):
+    """Under inductor the search also plans on the fused-pointwise profile; where that gives
+    other regions, both plans are compiled and timed, the faster is kept, and the schedule it
+    came from is re-simulated on the eager profile (its predicted time is the eager one's)."""
+    assert [c.name for c in pc.cost_models("inductor")] == ["eager", pc.INDUCTOR_COST.name]
+    assert pc.cost_models("aot_eager") == (pc.EAGER_COST,)
+    fused = SimpleNamespace(calls=(), fused=True)
+    cheap = pc.CostModel("cheap", lambda variant: fused)
+    on_eager: list = []
+
+    def refinish(variant, s, b):
+        on_eager.append((variant, s.regions))
+        return s
+
+    monkeypatch.setattr(pc, "finish", refinish)
+
+    def solve_at(profile, b):  # the cheap model recomputes other ops: other regions
+        return _Schedule(regions=("fused", b) if profile is fused else (b,), b=b)
+
+    times = {"eager": 10.0, "cheap": 9.0}
+
+    def time_step(module):
+        return times[module.schedule.stats.get("cost_model", "eager")]
+
+    prof = SimpleNamespace(calls=())
+    fits, tried = pc.search(object(), prof, 130, backend="inductor", eager_none=EAGER_NONE,
+                            solve_at=solve_at, step=_step, time_step=time_step,
+                            memory_budgets=(1.0,), costs=(pc.EAGER_COST, cheap))
+    assert [c.cost_model for c in fits] == ["eager", "cheap"]
+    assert all(c.peak_bytes <= 130 and c.step_ms for c in fits)  # both fit, both timed
+    assert on_eager and all(variant is prof and regions[0] == "fused"
+                            for variant, regions in on_eager)
+    assert fits[1].profile is prof  # the candidate reports the eager profile, not the fused one
+    best = pc.fastest(fits, lambda module: pytest.fail("timed already"))
+    assert best.cost_model == "cheap" and best.schedule.stats["cost_model"] == "cheap"
+    times["cheap"] = 11.0
+    compiles.clear()
+    fits, _ = pc.search(object(), prof, 130, backend="inductor", eager_none=EAGER_NONE,
+                        solve_at=solve_at, step=_step, time_step=time_step,
+                        memory_budgets=(1.0,), costs=(pc.EAGER_COST, cheap))
+    assert pc.fastest(fits, time_step).cost_model == "eager"
+
+
+def test_cost_models_giving_the_same_regions_compile_once(compiles):
+    """Where the fused-pointwise profile gives the regions the eager one gave, nothing more is
+    compiled and the one candidate is kept once."""
+    same = pc.CostModel("same", lambda variant: variant)
+    fits, tried = _search(130, {1.0: 10.0}, memory_budgets=(1.0,),
+                          costs=(pc.EAGER_COST, same))
+    planned = [s.regions for s, _ in compiles if s is not None]
+    assert len(planned) == len(set(planned))
+    assert len(fits) == 1 and fits[0].cost_model == "eager"
+
+
+def test_fused_pointwise_scales_only_forward_ops_without_flops():
+    from pathlib import Path
+
+    from solvers.profile import Profile
+    from solvers.simulate import simulate
+
+    prof = Profile.load(Path(__file__).parents[2] / "profiles" / "gpt2_small_h100.json.gz")
+    out = pc.fused_pointwise(prof, 0.5)
+    kinds = set()
+    for a, b in zip(prof.nodes, out.nodes, strict=True):
+        cheap = a.phase == "forward" and a.flops == 0
+        kinds.add(cheap)
+        assert b.time_ms == pytest.approx(a.time_ms * (0.5 if cheap else 1.0))
+        assert (b.new_storages, b.saves, b.releases) == (a.new_storages, a.saves, a.releases)
+    assert kinds == {True, False}
+    assert simulate(out).peak_bytes == simulate(prof).peak_bytes
