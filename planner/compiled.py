@@ -249,7 +249,7 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
                               and c.schedule.regions == s.regions), None)
                     if c is None:
                         if planned_on is not variant:  # predictions on the eager profile
-                            s = finish(variant, s, b)
+                            s = finish(variant, s, s.budget_bytes)
                             s = dataclasses.replace(s, stats={**s.stats,
                                                               "cost_model": cost.name})
                         compiled = compile_copy(model, s, backend, m)

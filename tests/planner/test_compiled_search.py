@@ -39,6 +39,7 @@ class _Schedule:
     regions: tuple
     b: int
     stats: dict = field(default_factory=dict)
+    budget_bytes: int = 0
 
 
 def _solve_at(profile, b):
@@ -140,14 +141,16 @@ def test_inductor_searches_a_plan_per_cost_model_and_keeps_the_faster(compiles, 
     cheap = pc.CostModel("cheap", lambda variant: fused)
     on_eager: list = []
 
-    def refinish(variant, s, b):
+    def refinish(variant, s, budget):
+        assert budget == s.budget_bytes  # the budget it was solved for, not another
         on_eager.append((variant, s.regions))
         return s
 
     monkeypatch.setattr(pc, "finish", refinish)
 
     def solve_at(profile, b):  # the cheap model recomputes other ops: other regions
-        return _Schedule(regions=("fused", b) if profile is fused else (b,), b=b)
+        return _Schedule(regions=("fused", b) if profile is fused else (b,), b=b,
+                         budget_bytes=b - 1)
 
     times = {"eager": 10.0, "cheap": 9.0}
 
