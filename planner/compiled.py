@@ -221,6 +221,10 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
     tried: list[Candidate] = []
     # dynamo's "eager" backend runs the captured graph as is: no partitioner to set
     ordered = [1.0] if backend == "eager" else sorted(set(memory_budgets), reverse=True)
+    models = tuple(costs) if costs is not None else cost_models(backend)
+    # per cost model, (variant, the profile solved on) pairs: made once, on first need, so that
+    # what solvers cache on a profile (dp's pool) is reused at every partitioner budget
+    plans_on: list[tuple[CostModel, list[tuple[Profile, Profile]]]] = []
     for m in ordered:
         found: list[Candidate] = []
         if unplanned is not None:
@@ -232,10 +236,13 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
         tried.append(none)
         if peak <= target:
             found.append(none)
-        for cost in (costs if costs is not None else cost_models(backend)) if not found else ():
-            for variant in compile_variants(prof):
+        if not found and not plans_on:
+            variants = compile_variants(prof)
+            plans_on = [(c, [(v, v if c.plan_on is None else c.plan_on(v)) for v in variants])
+                        for c in models]
+        for cost, pairs in plans_on if not found else ():
+            for variant, planned_on in pairs:
                 seen: dict[int, Candidate] = {}
-                planned_on = variant if cost.plan_on is None else cost.plan_on(variant)
 
                 def try_at(b: int, variant: Profile = variant, planned_on: Profile = planned_on,
                            cost: CostModel = cost, seen: dict[int, Candidate] = seen,

@@ -322,7 +322,12 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         for s in r.holds:  # reached through the region's arguments, which the frame keeps
             if s not in g.fixed_storages and r.bw_end > last[s]:
                 last[s] = r.bw_end
-        if not r.saved and not timeline:
+        if r.saved:
+            rep = _replay(g, r, (handed, keep_for), last, replay_freed, calls_in(k),
+                          with_ops=timeline)
+        elif timeline:
+            rep = _replay(g, r, (handed, keep_for), None, None, calls_in(k))
+        else:
             # A region's replay depends only on its span and the regions nested in it (the
             # same in many schedules): computed once per profile.
             key = sig(k)
@@ -332,11 +337,6 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                     g.replays.clear()
                 rep = g.replays[key] = _replay(g, r, (handed, keep_for), None, None,
                                                calls_in(k), with_ops=False)
-        elif not r.saved:
-            rep = _replay(g, r, (handed, keep_for), None, None, calls_in(k))
-        else:
-            rep = _replay(g, r, (handed, keep_for), last, replay_freed, calls_in(k),
-                          with_ops=timeline)
         replay_ops[k] = rep
         held.extend(rep.held.items())
         # the replayed ops, and checkpoint's own host cost: per region, per tensor it packs
@@ -449,8 +449,9 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
 @dataclass(frozen=True)
 class _Replay:
     """What one region's replay runs: (op, storages it allocates, storages freed after it;
-    listed only for the timeline sweep), the replay copies kept for backward (storage -> node index they die at), the replayed ops'
-    time, and the same ops as arrays for `_sweep` (bytes allocated, freed, workspace, op)."""
+    listed for the timeline sweep only), the replay copies kept for backward (storage -> node
+    index they die at), the replayed ops' time, and the same ops as arrays for `_sweep` (bytes
+    allocated, freed, workspace, op)."""
 
     ops: list[tuple[int, list[int], list[int]]]
     held: dict[int, int]

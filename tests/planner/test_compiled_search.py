@@ -203,3 +203,27 @@ def test_fused_pointwise_scales_only_forward_ops_without_flops():
         assert (b.new_storages, b.saves, b.releases) == (a.new_storages, a.saves, a.releases)
     assert kinds == {True, False}
     assert simulate(out).peak_bytes == simulate(prof).peak_bytes
+
+
+def test_the_profile_a_cost_model_plans_on_is_made_once_per_search(compiles, monkeypatch):
+    """Solvers cache on the profile object (dp's pool): the fused-pointwise profile is made once
+    and solved on at every partitioner budget, not rebuilt per budget."""
+    monkeypatch.setattr(pc, "finish", lambda variant, s, budget: s)
+    made: list = []
+
+    def plan_on(variant):
+        made.append(variant)
+        return SimpleNamespace(calls=())
+
+    seen: set[int] = set()
+
+    def solve_at(profile, b):
+        seen.add(id(profile))
+        return _Schedule(regions=(b,), b=b, budget_bytes=b)
+
+    pc.search(object(), SimpleNamespace(calls=()), 100, backend="inductor",
+              eager_none=EAGER_NONE, solve_at=solve_at, step=lambda module: 10**9,
+              memory_budgets=(1.0, 0.8, 0.5), costs=(pc.EAGER_COST, pc.CostModel("c", plan_on)),
+              rounds=2)
+    assert {m for _, m in compiles} == {1.0, 0.8, 0.5}  # nothing fits: every budget searched
+    assert len(made) == 1 and len(seen) == 2
