@@ -11,8 +11,9 @@ For each partitioner budget, from the largest: the copy without a plan (where th
 search stops, as a lower budget only recomputes more), else our plans at the eager budgets
 `compiled_budget` finds, under each of the backend's `cost_models` (the eager profile's op times,
 and for inductor also one where fused pointwise recomputation is cheap). The candidates that fit
-are then timed in turn (`fastest`): the plan is the fastest of our regions, the compiler's own
-recomputation, or both together.
+are then timed in turn (`fastest`), the two fastest again while they are within a few percent
+of each other: the plan is the fastest of our regions, the compiler's own recomputation, or both
+together.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ MEMORY_BUDGETS = (1.0, 0.8, 0.5)
 default, largest first; 1.0 is the compiler's default (no extra recomputation)."""
 TIMING_ROUNDS = 3
 """Rounds of timed steps over the fitting candidates (each round steps every one in turn)."""
+CLOSE_CALL = 0.05
+"""Where the two fastest candidates' median step times are within this fraction of each other,
+3 rounds do not tell them apart on a noisy machine: those two are timed again, in turn, until
+they are further apart or each has `MAX_TIMING_ROUNDS` samples."""
+MAX_TIMING_ROUNDS = 9
 FUSED_POINTWISE = 0.3
 """A search parameter, not a prediction: in the inductor cost model (`fused_pointwise`), the
 fraction of its eager time that recomputing a forward op without FLOPs (pointwise, reduction,
@@ -281,8 +287,10 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
             break  # the compiler alone fits; untimed, a lower budget is not worth compiling
         if time_step is not None and len(fits) > 1:
             timed = [c for c in before if c.step_ms]
-            _time(([min(timed, key=_median)] if timed else [])
-                  + [c for c in fits if not c.step_ms], time_step, TIMING_ROUNDS)
+            now = ([min(timed, key=_median)] if timed else []) + [c for c in fits
+                                                                  if not c.step_ms]
+            _time(now, time_step, TIMING_ROUNDS)
+            _settle(now, time_step)
             if before and min(map(_median, found)) >= min(map(_median, before)):
                 break  # recomputing more in the compiler stopped paying
     return fits, tried
@@ -295,6 +303,19 @@ def _time(candidates: Sequence[Candidate], time_step: Callable[[torch.nn.Module]
             c.step_ms.append(time_step(c.module))
 
 
+def _settle(candidates: Sequence[Candidate],
+            time_step: Callable[[torch.nn.Module], float]) -> None:
+    """Time the two fastest of `candidates` again, in turn, one round at a time, while their
+    medians are within `CLOSE_CALL` of each other and one has fewer than `MAX_TIMING_ROUNDS`
+    samples."""
+    while len(candidates) > 1:
+        a, b = sorted(candidates, key=_median)[:2]
+        if (_median(b) > (1 + CLOSE_CALL) * _median(a)
+                or min(len(a.step_ms), len(b.step_ms)) >= MAX_TIMING_ROUNDS):
+            return
+        _time([a, b], time_step, 1)
+
+
 def _median(c: Candidate) -> float:
     return statistics.median(c.step_ms)
 
@@ -302,10 +323,12 @@ def _median(c: Candidate) -> float:
 def fastest(candidates: Sequence[Candidate], time_step: Callable[[torch.nn.Module], float],
             rounds: int = TIMING_ROUNDS) -> Candidate:
     """The candidate with the least median step time (`time_step(module)`, ms); candidates are
-    timed in turn for `rounds` rounds unless `search` timed them all already. With one
-    candidate, that one, untimed."""
+    timed in turn for `rounds` rounds unless `search` timed them all already, and the two
+    fastest again while they are a close call (`_settle`). With one candidate, that one,
+    untimed."""
     if len(candidates) == 1:
         return candidates[0]
     if any(not c.step_ms for c in candidates):
         _time(candidates, time_step, rounds)
+    _settle(candidates, time_step)
     return min(candidates, key=_median)

@@ -110,6 +110,26 @@ def test_rows_already_measured_are_reused_and_nothing_fitting_returns_no_candida
     assert all(c.peak_bytes > 100 and c.module is None for c in planned)  # not kept
 
 
+def test_a_close_call_is_timed_again_until_it_is_settled(compiles):
+    """Noise can put the slower of two near-tied candidates first over 3 rounds: while the two
+    fastest medians are within CLOSE_CALL, both are timed again, in turn, up to
+    MAX_TIMING_ROUNDS samples each; a clear gap costs no extra round."""
+    late = pc.MAX_TIMING_ROUNDS - pc.TIMING_ROUNDS
+    # inductor(0.8) is 4% slower, but its first three steps happened to run fast
+    samples = {1.0: iter([10.0] * pc.MAX_TIMING_ROUNDS),
+               0.8: iter([9.8, 9.9, 9.7] + [10.4] * late)}
+    fits, _ = pc.search(object(), SimpleNamespace(calls=()), 250, backend="inductor",
+                        eager_none=EAGER_NONE, solve_at=_solve_at, step=_step,
+                        time_step=lambda module: next(samples[module.m]))
+    assert [len(c.step_ms) for c in fits] == [pc.MAX_TIMING_ROUNDS] * 2
+    # settled: 0.8 measured slower, so 0.5 was never compiled, and 1.0 is kept
+    assert [m for _, m in compiles] == [1.0, 0.8]
+    assert pc.fastest(fits, lambda module: pytest.fail("settled already")).memory_budget == 1.0
+    compiles.clear()
+    fits, _ = _search(250, {1.0: 10.0, 0.8: 12.0})
+    assert [len(c.step_ms) for c in fits] == [pc.TIMING_ROUNDS] * 2
+
+
 def test_the_backend_is_a_name_at_the_default_budget():
     assert pc.compile_backend("inductor", 1.0) == "inductor"
     assert callable(pc.compile_backend("inductor", 0.5))
