@@ -1,6 +1,8 @@
 """`compare(model, example_inputs)`: measure our plans against the alternatives, side by side.
 
-In one process, on one machine, with the strategies alternated round-robin:
+In one process, on one machine, with the strategies alternated round-robin (a first, untimed
+round compiles each strategy and measures its peak; the timed rounds come after every strategy,
+ours included, exists, so that each round times all of them within minutes of each other):
 
 - ``none``: the original model;
 - every baseline in `solvers.solve.BASELINES` (``per_block``, ``sqrt_n``, ``chen_greedy``,
@@ -489,7 +491,8 @@ class CompareOptions:
     """Activation-budget fractions for our sweep: budget = F + f * (N - F), where F is fixed
     memory and N the measured peak without checkpointing."""
     repeats: int = 3
-    """Round-robin rounds; every round measures every strategy once."""
+    """Timed round-robin rounds; every round measures every strategy once, in turn, after an
+    untimed setup round (compilation, peaks, the plans of ours)."""
     inner_repeats: int = 2
     """Timed steps per strategy and round, after one warm-up step."""
     profile_repeats: int = 2
@@ -667,11 +670,11 @@ def compare(
                         continue
                     add(row, cm, budget=b)
 
-    # round 1 of the anchors: compiles, and gives the measured peaks the iso plans need
+    # the setup round of the anchors: compiles, and gives the measured peaks the iso plans need
     for e in entries[1:]:
         if e.module is None:
             continue
-        say(f"round 1/{repeats}: {e.row.strategy}")
+        say(f"setup: {e.row.strategy}")
         try:
             measure_entry(e)
         except Exception as ex:  # noqa: BLE001
@@ -822,11 +825,16 @@ def compare(
     for e in entries:
         if e.row.kind in ("ours_iso", "ours_sweep", "graph_sweep", "ours_compiled") \
                 and e.module is not None:
-            say(f"round 1/{repeats}: {e.row.strategy}")
+            say(f"setup: {e.row.strategy}")
             measure_entry(e)
+    # The setup round's step times are not kept: none was stepped before anything was planned,
+    # the anchors before our plans were searched (minutes, on a machine whose load drifts), so
+    # they were not taken alternated with ours. Its peaks are kept.
+    for e in entries:
+        e.samples.clear()
 
-    # rounds 2..repeats: every strategy once per round, in turn
-    for k in range(2, repeats + 1):
+    # the timed rounds: every strategy once per round, in turn
+    for k in range(1, repeats + 1):
         for e in entries:
             if e.module is None:
                 continue
@@ -867,6 +875,7 @@ def compare(
         "malloc": host_allocator(),
         "threads": torch.get_num_threads(),
         "repeats": repeats,
+        "setup_round_timed": False,
         "inner_repeats": inner_repeats,
         "graph": graph,
         "compile_backend": ",".join(backends) if include_compile else None,

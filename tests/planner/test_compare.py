@@ -192,3 +192,36 @@ def test_half_rule_is_measured_against_the_compiled_step_itself():
     assert not ok and "+6.1% over inductor(1), inductor(0.5) +11.1%, limit +5.6%" in detail
     ((ok, _),) = half(result(94.9))
     assert ok  # 5.4% over inductor(1)
+
+
+def test_timed_rounds_come_after_every_strategy_is_set_up(monkeypatch) -> None:
+    """The setup round (compilation, peaks) runs before our plans are searched, minutes before
+    the timed rounds on a machine whose load drifts: no row keeps a time from it, so every time
+    of every row, none's included, is taken alternated with every other row's."""
+    import dataclasses
+
+    import planner.comparison as pcmp
+
+    calls: list[int] = []
+    real = pcmp.measure
+
+    def numbered(*args, **kw):
+        m = real(*args, **kw)
+        calls.append(len(calls))
+        # the step "time" is when it was taken: the call's index
+        return dataclasses.replace(m, step_ms_all=(float(calls[-1]),) * len(m.step_ms_all))
+
+    monkeypatch.setattr(pcmp, "measure", numbered)
+    torch.manual_seed(0)
+    model, x = ln_linear_stack(batch=8, seq=16, dim=32, n=3)
+    model.train()
+    res = compare(model, x, fractions=(0.5,), repeats=2, inner_repeats=1, iso=False,
+                  include_compile=False, time_limit_s=5)
+    measured = [r for r in res.rows if r.samples_ms]
+    # rows with the same schedule share one measurement: one entry stepped per distinct set
+    stepped = len({tuple(r.samples_ms) for r in measured})
+    assert stepped >= 3 and res.meta["setup_round_timed"] is False
+    assert len(calls) == 3 * stepped  # a setup step each, then two timed rounds
+    for r in measured:
+        assert len(r.samples_ms) == 2, r  # repeats x inner_repeats, none from the setup
+        assert min(r.samples_ms) >= stepped, r  # taken after every setup step
