@@ -243,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                      "`activation_memory_budget` at 1, 0.8 and 0.5, no plan where the compiled "
                      "model fits without one, else our plan for the budget raised by what "
                      "compiling saves, lowered by each measured overshoot; of those that fit, "
-                     "the fastest over 3 timed rounds (up to 9 for the two fastest while their medians "
-                     "are within 5%). Where that is `inductor(b)` with no plan, "
-                     "the row shares the `inductor(b)` row's measurement (the same "
+                     "the fastest over 3 timed rounds (up to 9 for the two fastest while their "
+                     "medians are within 5%). Where that is `inductor(b)` with no plan, the row "
+                     "shares the `inductor(b)` row's measurement (the same "
                      "configuration). Extra time is against eager `none`; `inductor(1)` is "
                      "inductor without extra recomputation.\n\n"
                      + compiled(results))

@@ -43,9 +43,10 @@ TIMING_ROUNDS = 3
 """Rounds of timed steps over the fitting candidates (each round steps every one in turn)."""
 CLOSE_CALL = 0.05
 """Where the two fastest candidates' median step times are within this fraction of each other,
-3 rounds do not tell them apart on a noisy machine: those two are timed again, in turn, until
-they are further apart or each has `MAX_TIMING_ROUNDS` samples."""
+`TIMING_ROUNDS` rounds do not tell them apart on a noisy machine: those two are timed again, in
+turn, until they are further apart or each has `MAX_TIMING_ROUNDS` samples."""
 MAX_TIMING_ROUNDS = 9
+"""Samples per candidate past which a close call is left as measured (its median decides)."""
 FUSED_POINTWISE = 0.3
 """A search parameter, not a prediction: in the inductor cost model (`fused_pointwise`), the
 fraction of its eager time that recomputing a forward op without FLOPs (pointwise, reduction,
