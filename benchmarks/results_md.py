@@ -47,7 +47,7 @@ host cost included) as a share of the profiled step; "extra time" is measured ag
 
 ```
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ckpt-planner compare \\
-    benchmarks.cpu_sizes:gpt_eager --compile-backend aot_eager,inductor --graph --repeats 3 \\
+    benchmarks.cpu_sizes:gpt_eager --compile-backend aot_eager,inductor --graph --repeats {repeats} \\
     -o benchmarks/compare/gpt_eager
 python benchmarks/results_md.py
 ```

@@ -14,7 +14,7 @@ models=("$@")
 [[ ${#models[@]} -gt 0 ]] || models=(gpt_eager hf_gpt2 hf_llama resnet_bn unet deep_narrow_cnn)
 for m in "${models[@]}"; do
     LD_PRELOAD="$TCMALLOC" ckpt-planner compare "benchmarks.cpu_sizes:$m" \
-        --compile-backend aot_eager,inductor --graph --repeats 3 -o "benchmarks/compare/$m" \
+        --compile-backend aot_eager,inductor --graph --repeats 5 -o "benchmarks/compare/$m" \
         2> >(grep --line-buffered -v '^USDT:' >&2)
 done
 python benchmarks/results_md.py
