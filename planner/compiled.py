@@ -7,13 +7,13 @@ recomputes cheap fused ops on its own; a compiled region may keep more than its 
 Each candidate is a copy of the model, planned or not, compiled whole-model with the partitioner
 at one ``activation_memory_budget`` of `MEMORY_BUDGETS`, and stepped once for its peak.
 
-For each partitioner budget, from the largest: the copy without a plan (where that fits, the
-search stops, as a lower budget only recomputes more), else our plans at the eager budgets
-`compiled_budget` finds, under each of the backend's `cost_models` (the eager profile's op times,
-and for inductor also one where fused pointwise recomputation is cheap). The candidates that fit
-are then timed in turn (`fastest`), the two fastest again while they are within a few percent
-of each other: the plan is the fastest of our regions, the compiler's own recomputation, or both
-together.
+For each partitioner budget, from the largest: the copy without a plan, and where that does not
+fit, our plans at the eager budgets `compiled_budget` finds, under each of the backend's
+`cost_models` (the eager profile's op times, and for inductor also one where fused pointwise
+recomputation is cheap). The candidates that fit are timed in turn, the two fastest again while
+they are within a few percent of each other; plans are searched at a lower partitioner budget
+only while going down has measured faster, the copy without a plan at every one (`search`).
+The plan is the fastest of our regions, the compiler's own recomputation, or both together.
 """
 
 from __future__ import annotations
@@ -220,10 +220,13 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
     Schedules are compiled once per partitioner budget however many eager budgets, variants or
     cost models give them. Where the copy without a plan fits at a partitioner budget, no plan is
     searched there. Partitioner budgets below the first are searched with at most 3 eager
-    budgets each; with `time_step` (a step's time in ms), the search goes down to the next
-    partitioner budget only while that one's fastest configuration measured faster than every
-    one before (timed in turn: recomputing more in the compiler can be faster, moving fewer
-    bytes); without it, it stops at the first budget where the copy without a plan fits."""
+    budgets each. With `time_step` (a step's time in ms), the candidates are timed in turn at
+    each partitioner budget, and plans are searched at the next one only while its fastest
+    configuration measured faster than every one before (recomputing more in the compiler can
+    be faster, moving fewer bytes); the copy without a plan is tried at every partitioner
+    budget all the same, as the partitioner's step time is not monotone in its budget (one
+    more compilation per budget, none where `unplanned` has it measured). Without
+    `time_step`, the search stops at the first budget where the copy without a plan fits."""
     fits: list[Candidate] = []
     tried: list[Candidate] = []
     # dynamo's "eager" backend runs the captured graph as is: no partitioner to set
@@ -232,6 +235,7 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
     # per cost model, (variant, the profile solved on) pairs: made once, on first need, so that
     # what solvers cache on a profile (dp's pool) is reused at every partitioner budget
     plans_on: list[tuple[CostModel, list[tuple[Profile, Profile]]]] = []
+    planning = True  # False once a lower partitioner budget stopped paying: no plan below it
     for m in ordered:
         found: list[Candidate] = []
         if unplanned is not None:
@@ -243,11 +247,11 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
         tried.append(none)
         if peak <= target:
             found.append(none)
-        if not found and not plans_on:
+        if planning and not found and not plans_on:
             variants = compile_variants(prof)
             plans_on = [(c, [(v, v if c.plan_on is None else c.plan_on(v)) for v in variants])
                         for c in models]
-        for cost, pairs in plans_on if not found else ():
+        for cost, pairs in plans_on if planning and not found else ():
             for variant, planned_on in pairs:
                 seen: dict[int, Candidate] = {}
 
@@ -293,7 +297,7 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
             _time(now, time_step, TIMING_ROUNDS)
             _settle(now, time_step)
             if before and min(map(_median, found)) >= min(map(_median, before)):
-                break  # recomputing more in the compiler stopped paying
+                planning = False  # recomputing more in the compiler stopped paying
     return fits, tried
 
 
