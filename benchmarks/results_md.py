@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from planner.comparison import CompareResult, MiB  # noqa: E402
+from planner.compiled import MEMORY_BUDGETS  # noqa: E402
 
 ORDER = ["gpt_eager", "hf_gpt2", "hf_llama", "resnet_bn", "unet", "deep_narrow_cnn"]
 
@@ -236,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                  "the model replaced by a replay of the trace), same budget, same run.\n\n"
                  + in_place_vs_graph(results))
     if any(r.kind == "ours_compiled" for res in results for r in res.rows):
+        *first, last = (f"{m:g}" for m in MEMORY_BUDGETS)
+        budgets_text = f"{', '.join(first)} and {last}"
         parts.append("## Our plans under torch.compile (inductor)\n\n"
                      "`ours + inductor`: the plan applied in place, then the whole model compiled "
                      "with `torch.compile(backend=\"inductor\")`, chosen as `plan(..., "
                      "compile=\"inductor\")` chooses (`planner.compiled`): for inductor's "
-                     "`activation_memory_budget` at 1, 0.8 and 0.5, no plan where the compiled "
+                     f"`activation_memory_budget` at {budgets_text}, no plan where the compiled "
                      "model fits without one, else our plan for the budget raised by what "
                      "compiling saves, lowered by each measured overshoot; of those that fit, "
                      "the fastest over 3 timed rounds (up to 9 for the two fastest while their "

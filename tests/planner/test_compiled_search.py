@@ -12,7 +12,7 @@ import pytest
 import planner.compiled as pc
 
 EAGER_NONE = 220
-UNPLANNED = {1.0: 200, 0.8: 150, 0.5: 120}
+UNPLANNED = {1.0: 200, 0.8: 150, 0.5: 120, 0.2: 115}
 """Compiled peak without a plan at each partitioner budget: a plan keeps the same saving."""
 
 
@@ -49,6 +49,7 @@ def _solve_at(profile, b):
 def _search(target, times, step=_step, **kw):
     prof = SimpleNamespace(calls=())
     kw.setdefault("costs", (pc.EAGER_COST,))
+    kw.setdefault("memory_budgets", (1.0, 0.8, 0.5))
     return pc.search(object(), prof, target, backend="inductor", eager_none=EAGER_NONE,
                      solve_at=_solve_at, step=step,
                      time_step=lambda module: times[module.m], **kw)
@@ -100,6 +101,20 @@ def test_where_the_compiler_alone_fits_no_plan_is_searched(compiles):
                            eager_none=EAGER_NONE, solve_at=_solve_at, step=_step)
     assert len(untimed) == 1  # without timing, the first fit without a plan is the answer
     assert pc.fastest(untimed, lambda module: pytest.fail("one is not timed")) is untimed[0]
+
+
+def test_by_default_the_compiler_alone_is_tried_down_to_0_2(compiles):
+    """At 116 only inductor(0.2) without a plan fits among the copies without one (115): the
+    default search reaches it even after going down stopped paying at 0.8, and keeps it where
+    it is the fastest; no plan is compiled below 0.8."""
+    assert pc.MEMORY_BUDGETS[-1] == 0.2
+    times = {1.0: 10.0, 0.8: 11.0, 0.5: 12.0, 0.2: 9.0}
+    fits, tried = _search(116, times, memory_budgets=pc.MEMORY_BUDGETS)
+    assert [c.memory_budget for c in tried if c.schedule is None] == [1.0, 0.8, 0.5, 0.2]
+    assert [(c.memory_budget, c.schedule is None) for c in fits] == \
+        [(1.0, False), (0.8, False), (0.2, True)]
+    assert [s for s, m in compiles if m in (0.5, 0.2)] == [None, None]
+    assert pc.fastest(fits, lambda module: pytest.fail("timed already")).memory_budget == 0.2
 
 
 def test_rows_already_measured_are_reused_and_nothing_fitting_returns_no_candidate(compiles):
