@@ -38,9 +38,9 @@ COMPILED_ROUNDS = 5
 measured costs no compilation."""
 MEMORY_BUDGETS = (1.0, 0.8, 0.5, 0.2)
 """Partitioner settings (``torch._functorch.config.activation_memory_budget``) searched by
-default, largest first; 1.0 is the compiler's default (no extra recomputation). Below 0.2 the
-partitioner's peak rises again on most models (0 recomputes what it then has to keep), so lower
-settings are left out; at 0.2 the compiled copy without a plan can be the only one that fits."""
+default, largest first; 1.0 is the compiler's default (no extra recomputation). At 0.2 the
+compiled copy without a plan can be the only one that fits; lower settings are left out, as the
+partitioner's peak rises again towards 0 (the `inductor(0)` rows of benchmarks/RESULTS.md)."""
 TIMING_ROUNDS = 3
 """Rounds of timed steps over the fitting candidates (each round steps every one in turn)."""
 CLOSE_CALL = 0.05
