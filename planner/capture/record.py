@@ -218,6 +218,9 @@ class OpRecord:
     """The dtype the op computes in (its first floating input's; its output's if none)."""
     grad_mode: bool = True
     """Whether gradients were enabled when the op ran (`torch.no_grad` blocks inside forward)."""
+    fills: int | None = None
+    """Backward ops of `_COMPLIANT_OUT_OF_PLACE`: the storage of their ``self`` argument, which
+    the in-place variant run outside the recorder writes into (`_undo_compliance`)."""
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,17 @@ class _Packed:
 
 def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+_ZERO_FACTORIES = frozenset({"aten.new_zeros.default", "aten.zeros.default",
+                             "aten.zeros_like.default"})
+_COMPLIANT_OUT_OF_PLACE = frozenset({"aten.scatter_add.default", "aten.index_add.default",
+                                     "aten.index_put.default", "aten.put.default"})
+"""Ops that autograd's C++ formulas run out of place only when a tensor is "subclass-like",
+which every tensor is while a dispatch mode is active, and in place otherwise:
+``grad.new_zeros(size).scatter_add_(...)`` (`gather`'s backward), ``index_add_``
+(`index_select`'s), ``_index_put_impl_`` (indexing's, ``x[idx]``), ``put_`` (`take`'s). Under
+the recorder they allocate a second buffer that a real step does not."""
 
 
 def op_name(func: Any) -> str:
@@ -513,6 +527,9 @@ class _Recorder(TorchDispatchMode):
             dtype=_compute_dtype(in_tensors, out),
             grad_mode=torch.is_grad_enabled(),
         )
+        if (self.phase == "backward" and rec.op in _COMPLIANT_OUT_OF_PLACE and args
+                and isinstance(args[0], torch.Tensor)):
+            rec.fills = self.sid(args[0])
         if self.phase in ("forward", "loss") and any(o is not None for o in out_sids):
             if seq != self.last_seq:  # this op created autograd node seq - 1
                 self.seq_owner.setdefault(seq - 1, idx)
@@ -846,6 +863,41 @@ def _run_error(spec: StepSpec, rec: _Recorder, e: Exception) -> CkptPlannerError
     )
 
 
+def _undo_compliance(ops: list[OpRecord], owner: dict[int, int], n_ph: int,
+                     storage_bytes: list[int]) -> None:
+    """Make the recording's memory that of a real step where the recorder changed it: an op of
+    `_COMPLIANT_OUT_OF_PLACE` whose ``self`` is a zero-filled buffer made for it by the same
+    autograd formula, read by nothing else and dying at it, ran in place outside the recorder.
+    Its output becomes that buffer (as an in-place result is): the storage it allocated is
+    never allocated, and the buffer lives as long as the output did. Custom `autograd.Function`
+    backwards are left as recorded: their Python chose out of place itself."""
+    for i, r in enumerate(ops):
+        sid = r.fills
+        if (sid is None or r.python_backward or sid not in r.releases or sid not in owner
+                or len(r.new_storages) != 1 or r.storage != r.new_storages[0]
+                or storage_bytes[r.storage] != storage_bytes[sid]):
+            continue
+        f = owner[sid] + n_ph if owner[sid] >= 0 else -1
+        if not n_ph <= f < i:
+            continue
+        made = ops[f]
+        if (made.op not in _ZERO_FACTORIES or made.grad_of != r.grad_of
+                or any(f in ops[j].inputs for j in range(f + 1, i))):
+            continue
+        out = r.storage
+        r.releases.remove(sid)
+        r.new_storages = []
+        storage_bytes[out] = 0
+        for later in ops[i:]:
+            if later.storage == out:
+                later.storage = sid
+            for field_ in (later.releases, later.writes):
+                field_[:] = [sid if s == out else s for s in field_]
+            if out in later.saves:
+                later.saves.discard(out)
+                later.saves.add(sid)
+
+
 def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes) -> Recording:
     """Placeholders first, then ops; record indices shifted accordingly; saves and releases."""
     n_ph = len(rec.placeholders)
@@ -870,6 +922,7 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
         pos = rec.release_at.get(sid, last - n_ph)
         target = min(max(pos + n_ph, n_ph), last)
         ops[target].releases.append(sid)
+    _undo_compliance(ops, rec.owner, n_ph, rec.storage_bytes)
 
     def owner_of(sid: int) -> int:
         return shift(rec.owner[sid])

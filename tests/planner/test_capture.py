@@ -110,6 +110,36 @@ def test_releases_record_what_python_keeps_alive():
     assert simulate(prof).peak_bytes == pytest.approx(measured, rel=0.005)
 
 
+_PICKS = {
+    "gather": lambda h, i: torch.gather(h, 1, i[None].expand(h.shape[0], -1)),
+    "index_select": lambda h, i: h.index_select(1, i),
+    "indexing": lambda h, i: h[:, i],
+}
+
+
+@pytest.mark.parametrize("pick", sorted(_PICKS))
+def test_backward_of_a_pick_costs_one_buffer_as_in_a_real_step(pick):
+    """The backward of gather, index_select and ``h[:, idx]`` fills a zero buffer the size of
+    ``h`` in place; under any dispatch mode (the recorder's) autograd runs the out-of-place
+    variant, which allocates a second buffer. The profile counts the buffer once, as a real step
+    does: here that buffer is the step's peak (DeBERTa's relative attention, MoE routing)."""
+
+    class Pick(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(16, 2048)
+            self.register_buffer("idx", torch.arange(0, 2048, 256))
+
+        def forward(self, x):
+            return _PICKS[pick](self.up(x), self.idx)
+
+    torch.manual_seed(0)
+    model, x = Pick(), torch.randn(64, 16)
+    prof = profile(model, x, repeats=1)
+    measured = measure(model, x, repeats=1).peak_bytes
+    assert simulate(prof).peak_bytes == pytest.approx(measured, rel=0.005)
+
+
 def test_a_tensor_held_by_a_reference_cycle_lives_to_the_end_of_the_step():
     """A tensor that only a reference cycle keeps (an object pointing at itself) dies when the
     garbage collector runs, not at its last reader: the profile keeps it to the end of the step,
