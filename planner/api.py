@@ -118,7 +118,8 @@ class Plan:
     (value-dependent shapes, MoE routing), and for what torch.compile's regions keep beyond the
     eager prediction (`plan(..., compile=...)`)."""
     compiled_peak_bytes: int | None = None
-    """With ``plan(..., compile=backend)``: the measured peak of the planned step compiled."""
+    """With ``plan(..., compile=backend)``: the measured peak of the planned step compiled; with
+    an optimizer, its state added, or its update's simulated peak where that is higher."""
     compiled_backend: str | None = None
     """The `torch.compile` backend the plan was fitted under, if any."""
     compile_memory_budget: float | None = None
@@ -256,7 +257,8 @@ class Plan:
         return verify_against(unplanned, contextlib.nullcontext(model), self.example_inputs,
                               self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
                               atol=atol, repeats=repeats, autocast=self.autocast,
-                              predicted_peak_bytes=self.predicted_peak_bytes_now())
+                              predicted_peak_bytes=self.predicted_peak_bytes_now(),
+                              optimizer=self.optimizer)
 
     def predicted_peak_bytes_now(self) -> int:
         """The predicted peak of the model as it is wrapped now: per rank once DDP wraps it or
@@ -273,9 +275,10 @@ class Plan:
     def measure(self, repeats: int = 5) -> Measurement:
         """Peak memory and step time of the planned model on the example inputs (one rank's,
         once the model is wrapped by DDP or sharded by `fully_shard`: compare with
-        `predicted_peak_bytes_now`)."""
+        `predicted_peak_bytes_now`). With the optimizer's step when the plan was made with one,
+        as its prediction; the model and optimizer are left as they were."""
         return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats,
-                       autocast=self.autocast)
+                       autocast=self.autocast, optimizer=self.optimizer)
 
 
 def region_label(r: Region) -> str:
@@ -296,17 +299,21 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
                    atol: float = 1e-6, repeats: int = 3,
                    planned_params: torch.nn.Module | None = None,
                    autocast: torch.dtype | None = None,
-                   predicted_peak_bytes: int | None = None) -> Verification:
+                   predicted_peak_bytes: int | None = None,
+                   optimizer: torch.optim.Optimizer | None = None) -> Verification:
     """Compare one training step of the unplanned model (`reference`, a context that yields it)
     with the planned one (`planned`): loss, gradients, measured peak and time. The planned
-    module's gradients are read from `planned_params` where it wraps the model (graph plans)."""
+    module's gradients are read from `planned_params` where it wraps the model (graph plans).
+    Peaks and times are measured with `optimizer`'s step where the plan counts one."""
     loss_fn = loss_fn or default_loss
     with (reference() if callable(reference) else reference) as ref:
         l0, g0 = _one_step(ref, example_inputs, loss_fn, autocast=autocast)
-        m0 = measure(ref, example_inputs, loss_fn, repeats=repeats, autocast=autocast)
+        m0 = measure(ref, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
+                     optimizer=optimizer)
     with planned as mod:
         l1, g1 = _one_step(mod, example_inputs, loss_fn, planned_params, autocast)
-        m1 = measure(mod, example_inputs, loss_fn, repeats=repeats, autocast=autocast)
+        m1 = measure(mod, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
+                     optimizer=optimizer)
     if not torch.allclose(l0, l1, rtol=rtol, atol=atol):
         raise AssertionError(f"loss differs: original {l0.item()} vs planned {l1.item()}")
     worst = 0.0
@@ -383,15 +390,18 @@ MARGIN_ROUNDS = 3
 
 
 def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_fn,
-           autocast: torch.dtype | None) -> list[int]:
+           autocast: torch.dtype | None,
+           optimizer: torch.optim.Optimizer | None = None) -> list[int]:
     """The planned step's measured peak on the example and each other batch, or on other random
-    draws of the example: how much a value-dependent model's memory moves from batch to batch."""
+    draws of the example: how much a value-dependent model's memory moves from batch to batch.
+    With the optimizer's state and step, as the plan's budget counts them (restored after)."""
     peaks = []
     batches = [example_inputs, *extra]
     for k, batch in enumerate(batches if extra else [example_inputs] * SPREAD_DRAWS):
         with torch.random.fork_rng():
             torch.manual_seed(1000 + k)
-            peaks.append(measure(model, batch, loss_fn, repeats=1, autocast=autocast).peak_bytes)
+            peaks.append(measure(model, batch, loss_fn, optimizer=optimizer, repeats=1,
+                                 autocast=autocast).peak_bytes)
     return peaks
 
 
@@ -415,6 +425,14 @@ def solve_within(profile: Profile, budget_bytes: int, method: str = "auto",
     return schedule
 
 
+def _update_peak(prof: Profile) -> int | None:
+    """The optimizer step's peak as the simulator has it (after backward, with no activation
+    left to recompute: the same under any schedule), or None without an optimizer."""
+    sim = simulate(prof, timeline=True)
+    return next((mem + prof.fixed_bytes for where, mem in sim.timeline
+                 if where == "optimizer.step"), None)
+
+
 def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autocast, backend,
                   method, time_limit_s, memory_budgets: Sequence[float],
                   spread: int = 0) -> Plan:
@@ -423,7 +441,18 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
     plan, the partitioner's ``activation_memory_budget`` among `memory_budgets`, or both."""
     # Compiled peaks are this process's step; `offset` is what a rank holds beside it.
     budget, local, offset = p.budget_bytes, p.local_profile, p.rank_offset_bytes()
-    target = budget - SLACK_BYTES - offset - spread
+    # The compiled copies are stepped without the optimizer (it updates the model's own
+    # parameters): its state, resident through the step, is kept free below the target, and its
+    # update, which runs eagerly after backward, must fit on its own.
+    state = (local if local is not None else prof).optimizer_state_bytes
+    target = budget - SLACK_BYTES - offset - spread - state
+    update = _update_peak(prof)
+    if update is not None and update > budget:
+        raise InfeasibleBudgetError(
+            f"the optimizer's step alone peaks at {format_bytes(update)} (parameters, their "
+            f"gradients, its state and its temporaries), above the budget {format_bytes(budget)}: "
+            "no checkpointing lowers it. Raise the budget, or shard the optimizer state (FSDP2) "
+            "or use a lighter optimizer")
     remove(model)
     eager_none = simulate(local if local is not None else prof).peak_bytes
 
@@ -459,7 +488,7 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
     apply_schedule(model, schedule)
     return dataclasses.replace(
         p, schedule=schedule, profile=used, budget_bytes=budget, local_profile=local,
-        compiled_peak_bytes=best.peak_bytes, compiled_backend=backend,
+        compiled_peak_bytes=max(best.peak_bytes + state, update or 0), compiled_backend=backend,
         compile_memory_budget=best.memory_budget,
         margin_bytes=spread + (max(0, target - best.eager_budget)
                                if best.eager_budget is not None else 0))
@@ -676,7 +705,7 @@ def plan(
     if budget is not None and compile is not None:
         # Memory that moves from batch to batch is kept free below the compiled budget: the
         # spread of the (eager) planned step's peak over other batches or random draws.
-        peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast) \
+        peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer) \
             if moves else [0]
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
                           time_limit_s, compile_memory_budgets, spread(peaks))
@@ -687,7 +716,7 @@ def plan(
         # below the budget.
         margin = 0
         for _ in range(MARGIN_ROUNDS):
-            peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast)
+            peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer)
             need = (p.rank_offset_bytes() + max(peaks)
                     + (max(peaks) - min(peaks) if prof.meta.data_dependent_ops else 0)
                     - (budget - SLACK_BYTES))

@@ -116,9 +116,10 @@ def measure(
 ) -> Measurement:
     """Measure one training step of `module` (peak and retained memory, median step time).
 
-    With ``restore=True`` (default) parameters, buffers, gradients and RNG state are put back
-    afterwards (when no optimizer is given), so measuring does not train the model. With
-    `autocast` a dtype, forward and loss run under ``torch.autocast``, backward outside it.
+    With ``restore=True`` (default) parameters, buffers, gradients, RNG state and the
+    optimizer's state are put back afterwards, so measuring does not train the model (the
+    optimizer's state is kept on the host meanwhile, so that the copy costs no device memory).
+    With `autocast` a dtype, forward and loss run under ``torch.autocast``, backward outside it.
     """
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
@@ -127,6 +128,9 @@ def measure(
         [p.detach().clone() for p in params],
         [b.detach().clone() for b in module.buffers()],
     ) if restore else None
+    saved_opt = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True),
+                                     optimizer.state_dict()) \
+        if restore and optimizer is not None else None
     saved_grads = [p.grad for p in params]
     dev = next((p.device for p in params), torch.device("cpu"))
     cuda = dev.type == "cuda"
@@ -154,12 +158,14 @@ def measure(
             times.append((time.perf_counter() - t0) * 1e3)
     finally:
         torch.random.set_rng_state(rng)
-        if saved_state is not None and optimizer is None:
+        if saved_state is not None:
             with torch.no_grad():
                 for p, v in zip(params, saved_state[0], strict=True):
                     p.copy_(v)
                 for b, v in zip(module.buffers(), saved_state[1], strict=True):
                     b.copy_(v)
+        if saved_opt is not None:
+            optimizer.load_state_dict(saved_opt)
         for p, g in zip(params, saved_grads, strict=True):
             p.grad = g
     return Measurement(

@@ -112,6 +112,30 @@ def test_inductor_per_block_trains_like_eager_planned():
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+def test_plan_for_compile_with_an_optimizer_holds_the_budget_with_its_state_and_update():
+    """The compiled copies plan() measures are stepped without the user's optimizer: its state
+    is kept free below the budget, so the compiled step with the optimizer's update (state
+    resident from the first step) peaks within the budget; an update that alone exceeds the
+    budget is refused."""
+    torch._dynamo.reset()
+    model, x, loss_fn = _hf_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1, optimizer=opt)
+    n, f = simulate(prof).peak_bytes, prof.fixed_bytes
+    budget = int(f + 0.8 * (n - f))
+    p = planner.plan(model, budget_bytes=budget, example_inputs=x, loss_fn=loss_fn, repeats=1,
+                     optimizer=opt, compile="aot_eager")
+    assert p.compiled_peak_bytes is not None and p.compiled_peak_bytes <= budget
+    compiled = torch.compile(model, backend=p.compile_backend)
+    assert measure(compiled, x, loss_fn, optimizer=opt, repeats=1).peak_bytes <= budget
+    planner.remove(model)
+    torch._dynamo.reset()
+    with pytest.raises(planner.InfeasibleBudgetError, match="optimizer's step alone"):
+        planner.plan(model, budget_bytes=f, example_inputs=x, loss_fn=loss_fn, repeats=1,
+                     optimizer=opt, compile="aot_eager")
+    torch._dynamo.reset()
+
+
 def test_plan_for_compile_keeps_the_compiled_step_within_budget():
     """plan(..., compile=backend) measures the compiled planned step and plans again with the
     overshoot kept free: the compiled step (with the backend the plan gives, which carries the

@@ -431,6 +431,44 @@ def test_budget_includes_adam_state_and_step():
     assert abs(p.predicted_peak_bytes - planned.peak_bytes) <= 0.05 * planned.peak_bytes
 
 
+def test_plan_measures_and_verifies_with_its_optimizer_and_leaves_it_as_it_was():
+    """A plan made with an optimizer predicts the step with its state and update: `Plan.measure`
+    and `Plan.verify` measure that same step, and leave the parameters and the optimizer's
+    state (here not yet created, as before a first step) as they found them."""
+    model, x = build("ln_linear_stack")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = [q.detach().clone() for q in model.parameters()]
+    unplanned = measure(model, x, optimizer=opt, repeats=1)
+    assert not opt.state
+    p = planner.plan(model, budget_bytes=int(0.8 * unplanned.peak_bytes), example_inputs=x,
+                     optimizer=opt, method="dp", repeats=1)
+    measured = p.measure(repeats=1).peak_bytes
+    v = p.verify(repeats=1)
+    assert abs(p.predicted_peak_bytes - measured) <= 0.02 * measured
+    assert abs(v.predicted_peak_bytes - v.measured_peak_bytes) <= 0.02 * v.measured_peak_bytes
+    assert v.measured_peak_bytes <= p.budget_bytes
+    assert not opt.state
+    for a, b in zip(params, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_measure_with_an_optimizer_restores_its_state():
+    model, x = build("ln_linear_stack")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    default_loss(model(x)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    before = copy.deepcopy(opt.state_dict())
+    params = [q.detach().clone() for q in model.parameters()]
+    measure(model, x, optimizer=opt, repeats=2)
+    after = opt.state_dict()
+    for k, st in before["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][name]))
+    for a, b in zip(params, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("impl", [{}, {"foreach": True}, {"foreach": False}, {"fused": True}])
 def test_optimizer_step_transient_matches_the_implementation(impl):
     """What AdamW's step allocates beyond its state, as `optimizer_bytes` models it, against the
