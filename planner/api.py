@@ -553,7 +553,8 @@ def _infeasible(profile: Profile, budget: int, schedule: Schedule,
     peak = least.predicted_peak_bytes if least.feasible else (
         schedule.min_peak_bytes or smallest_peak(profile))
     parts = peak_breakdown(profile, least)
-    shown = "; ".join(f"{k} {format_bytes(v)}" for k, v in parts[:4] if v > 0)
+    shown = "; ".join(f"{k} {format_bytes(v)}" for k, v in parts[:4]
+                      if v >= peak // 100 and format_bytes(v) != format_bytes(0))
     names = " ".join(k for k, _ in parts[:4])
     advice = ["train on a smaller micro-batch or shorter sequences (and accumulate gradients)"]
     if "lm_head" in names or "loss" in names or "logits" in names:

@@ -59,10 +59,12 @@ __all__ = [
     "CASES",
     "Case",
     "albert",
+    "bart",
     "bert",
     "bloom_padded",
     "call",
     "convnext",
+    "deberta_v2",
     "gpt2_eager",
     "gpt2_padded",
     "gpt2_sdpa",
@@ -381,6 +383,34 @@ def bert() -> Case:
     return Case(model, inputs, None, small, "encoder")
 
 
+def deberta_v2() -> Case:
+    """`DebertaV2ForSequenceClassification` (2 classes) on padded sentence pairs: disentangled
+    relative attention, which gathers content-to-position and position-to-content scores with
+    `torch.gather` (its backward fills a zero buffer of the gathered tensor's size), and
+    relative position embeddings shared by every layer."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = DebertaV2Config(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        relative_attention=True,
+        pos_att_type=["p2c", "c2p"],
+        hidden_dropout_prob=P,
+        attention_probs_dropout_prob=P,
+        num_labels=2,
+        pad_token_id=0,
+    )
+    model = _hf(DebertaV2ForSequenceClassification, config)
+    inputs = {**_bert_inputs(2, 48, [48, 30]), "labels": torch.tensor([0, 1])}
+    small = {**_bert_inputs(1, 24, [20]), "labels": torch.tensor([1])}
+    return Case(model, inputs, None, small, "encoder")
+
+
 def _mlm_inputs(batch: int, seq: int, lengths: list[int]) -> dict[str, torch.Tensor]:
     """A right-padded batch for masked-LM training: labels on about a quarter of the real
     tokens, -100 elsewhere."""
@@ -446,6 +476,34 @@ def t5() -> Case:
     model = _hf(T5ForConditionalGeneration, config)
     inputs = _t5_inputs(2, 64, 32, [32, 25])
     small = _t5_inputs(1, 40, 24, [20])
+    return Case(model, inputs, None, small, "encoder-decoder")
+
+
+def _bart_inputs(batch: int, src: int, tgt: int, src_lengths: list[int]) -> dict[str, Any]:
+    src_real = torch.arange(src) < torch.tensor(src_lengths)[:, None]
+    return {"input_ids": torch.randint(3, 512, (batch, src)).masked_fill(~src_real, 1),
+            "attention_mask": src_real.long(),
+            "labels": torch.randint(3, 512, (batch, tgt)),
+            "use_cache": False}
+
+
+def bart() -> Case:
+    """`BartForConditionalGeneration`: learned positions, encoder and decoder embeddings and LM
+    head sharing one weight, a padded source, decoder inputs shifted from the labels inside the
+    model, and activation dropout inside the feed-forward blocks."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, max_position_embeddings=128, dropout=P, attention_dropout=P,
+        activation_dropout=P, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2,
+    )
+    model = _hf(BartForConditionalGeneration, config)
+    inputs = _bart_inputs(2, 48, 32, [48, 33])
+    small = _bart_inputs(1, 24, 16, [20])
     return Case(model, inputs, None, small, "encoder-decoder")
 
 
@@ -740,5 +798,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "bloom_padded": bloom_padded,
     "mixtral": mixtral,
     "whisper": whisper,
+    "deberta_v2": deberta_v2,
+    "bart": bart,
 }
 """Every builder, by name."""
