@@ -223,7 +223,7 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
     model_class = f"{type(model).__module__}.{type(model).__qualname__}"
     if mode == "estimate":
         spec_dev = device if isinstance(device, DeviceSpec) else get_device(device or "h100")
-        fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
+        fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         fake = Faker(fake_mode)
         params = {k: fake(v) for k, v in model.named_parameters()}
         buffers = {k: fake(v) for k, v in model.named_buffers()}

@@ -814,7 +814,7 @@ def record_step(
         except CkptPlannerError:
             raise
         except Exception as e:  # noqa: BLE001 - the model's own error, with where it happened
-            raise _run_error(spec, rec, e) from e
+            raise _run_error(spec, rec, e, fake) from e
     # The loss and gradients die now, after every recorded op, as at the step's end; so does
     # what only reference cycles kept (they would wait for the garbage collector in training too).
     rec.__dict__.pop("_final_refs", None)
@@ -838,7 +838,8 @@ def _unreleased(rec: _Recorder) -> bool:
                for sid in range(len(rec.storage_bytes)))
 
 
-def _run_error(spec: StepSpec, rec: _Recorder, e: Exception) -> CkptPlannerError:
+def _run_error(spec: StepSpec, rec: _Recorder, e: Exception,
+               fake: bool = False) -> CkptPlannerError:
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
@@ -860,6 +861,10 @@ def _run_error(spec: StepSpec, rec: _Recorder, e: Exception) -> CkptPlannerError
         + f": {type(e).__name__}: {e}. The planner runs one step (model(**inputs), loss_fn, "
         "backward) exactly as training would: check that the example inputs are what the model "
         "takes and that loss_fn returns a scalar."
+        + (" This step ran on fake tensors (estimate mode), where torch's fake kernels can pick "
+           "another path than a real step (attention backends, fused kernels): if one real step "
+           "of the model runs, profile it in measure mode (possibly at a smaller batch)."
+           if fake else "")
     )
 
 

@@ -12,6 +12,7 @@ import gc
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from planner import ModelRunError, plan, profile, remove
@@ -433,6 +434,46 @@ def test_estimate_for_gpu_fuses_attention_with_dropout():
     assert any("_scaled_dot_product_flash_attention" in n.op for n in gpu.nodes)
     assert not any(n.op in softmax for n in gpu.nodes)
     assert gpu.saved_bytes < cpu.saved_bytes
+
+
+def test_estimate_for_gpu_runs_attention_whose_mask_is_trained():
+    """A trained attention bias (Swin's relative positions) passed as SDPA's mask, with dropout:
+    the CPU's fused kernel takes no gradient for the mask, so the GPU estimate keeps the path a
+    real step takes instead of failing in the model's forward."""
+
+    class BiasedAttention(nn.Module):
+        def __init__(self, heads: int = 4, seq: int = 16, dim: int = 32):
+            super().__init__()
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.bias = nn.Parameter(torch.zeros(heads, seq, seq))
+            self.heads = heads
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, dropout_p=0.1)
+            return out.transpose(1, 2).reshape(b, t, d)
+
+    model, x = BiasedAttention().train(), torch.randn(2, 16, 32)
+    est = profile(model, x, mode="estimate", device="h100")
+    assert est.meta.mode == "estimate" and est.saved_bytes > 0
+    grads = [n for n in est.nodes if n.phase == "backward"]
+    assert grads, "the estimate recorded no backward"
+
+
+def test_estimate_mode_takes_a_loss_that_closes_over_real_targets():
+    """``loss_fn=lambda out: F.cross_entropy(out, targets)`` with real targets: the estimate
+    runs it on fake outputs (the targets become fake constants), as measure mode runs it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10)).train()
+    x, targets = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+    def loss_fn(out):
+        return F.cross_entropy(out, targets)
+
+    est = profile(model, x, loss_fn=loss_fn, mode="estimate", device=cpu_spec(measure=False))
+    real = profile(model, x, loss_fn=loss_fn, repeats=1)
+    assert simulate(est).peak_bytes == simulate(real).peak_bytes
 
 
 def test_estimate_mode_bf16_param_bytes():
