@@ -387,6 +387,9 @@ class _Recorder(TorchDispatchMode):
         self.counts: dict[str, int] = {}
         self.fixed_kind: dict[int, str] = {}  # storage id -> "param"/"buffer"/"input"
         self.buffer_sids: set[int] = set()
+        self.foreign_hooks: dict[str, str] = {}
+        """Module -> the saved-tensor pack hook the model's own code put above the recorder's
+        (its own checkpointing or offloading), where a forward op ran under one."""
 
     # -- storages -----------------------------------------------------------------------------
     def _released(self, key: int, sid: int) -> None:
@@ -455,6 +458,8 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if not self.structure:
             return self._light(func, args, kwargs)
+        if self.phase in ("forward", "loss"):
+            self._check_hooks()
         seq = torch.autograd._get_sequence_nr()
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
         in_tensors = _tensors((args, kwargs))
@@ -462,6 +467,15 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self._record(func, args, kwargs, in_tensors, in_sids, out, seq, node)
         return out
+
+    def _check_hooks(self) -> None:
+        """Note the current module if saved-tensor hooks other than the recorder's are on top
+        (`foreign_hooks`); checked as each module is entered and as each forward op runs."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] != self.pack:
+            where = self.module_stack[-1] if self.module_stack else ""
+            self.foreign_hooks.setdefault(where or "(the root module)",
+                                          getattr(top[0], "__qualname__", repr(top[0])))
 
     def _light(self, func, args, kwargs):
         """Timing or marking pass: only the op's name and time."""
@@ -656,6 +670,8 @@ class _Recorder(TorchDispatchMode):
         def pre(name):
             def hook(mod, args, kwargs):
                 self.module_stack.append(name)
+                if self.structure and self.phase == "forward":
+                    self._check_hooks()
                 starts.append(len(self.ops))
                 args_of.append(self._argument_refs((args, kwargs)))
             return hook
@@ -815,6 +831,8 @@ def record_step(
             raise
         except Exception as e:  # noqa: BLE001 - the model's own error, with where it happened
             raise _run_error(spec, rec, e, fake) from e
+    if rec.foreign_hooks:
+        raise _foreign_hooks_error(spec, rec.foreign_hooks)
     # The loss and gradients die now, after every recorded op, as at the step's end; so does
     # what only reference cycles kept (they would wait for the garbage collector in training too).
     rec.__dict__.pop("_final_refs", None)
@@ -838,6 +856,29 @@ def _unreleased(rec: _Recorder) -> bool:
                for sid in range(len(rec.storage_bytes)))
 
 
+_OWN_CHECKPOINT = ("ckpt-planner places checkpoints itself: remove the model's own "
+                   "checkpointing (or call planner.remove(model) if it carries a plan) and plan "
+                   "again")
+
+
+def _foreign_hooks_error(spec: StepSpec, found: dict[str, str]) -> CkptPlannerError:
+    """The model's forward ran under saved-tensor hooks of its own: autograd then saves through
+    them, not through the recorder, so the profile could not say what the step keeps."""
+    root = "(the root module)"
+    outer = [m for m in found  # the outermost modules: their submodules ran under the same hooks
+             if not any(a != m and (a == root or m.startswith(a + ".")) for a in found)]
+    where = ", ".join(outer[:4]) + (f" (and {len(outer) - 4} more)" if len(outer) > 4 else "")
+    hooks = set(found.values())
+    if any("_checkpoint_hook" in h for h in hooks):
+        what = "calls torch.utils.checkpoint itself"
+    else:
+        what = ("saves activations through saved-tensor hooks of its own ("
+                + ", ".join(sorted(hooks)[:2]) + "; e.g. CPU offloading)")
+    return ModelRunError(
+        f"{type(spec.model).__name__} {what}, in {where}: what autograd keeps there is hidden "
+        f"from the profile. {_OWN_CHECKPOINT}.")
+
+
 def _run_error(spec: StepSpec, rec: _Recorder, e: Exception,
                fake: bool = False) -> CkptPlannerError:
     from torch._subclasses.fake_tensor import (
@@ -853,6 +894,10 @@ def _run_error(spec: StepSpec, rec: _Recorder, e: Exception,
             "not have. Profile it in measure mode (on a machine that can run one step of it, "
             "possibly at a smaller batch), or make that branch depend on shapes only."
         )
+    if "use_reentrant=True" in str(e):
+        return ModelRunError(
+            f"{type(spec.model).__name__} calls torch.utils.checkpoint(use_reentrant=True) "
+            f"itself, which cannot be profiled ({type(e).__name__}: {e}). {_OWN_CHECKPOINT}.")
     phase = {"forward": "forward", "loss": "loss_fn", "backward": "backward"}.get(rec.phase,
                                                                                    rec.phase)
     return ModelRunError(

@@ -78,6 +78,38 @@ def _checkpoint_wrapper():
     return planner.plan(m, budget_gb=1, example_inputs=x, repeats=1)
 
 
+class _SelfCheckpointing(nn.Module):
+    """Checkpoints its own second layer, the way training scripts do by hand."""
+
+    def __init__(self, reentrant: bool = False, offload: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+                                    for _ in range(3))
+        self.reentrant, self.offload = reentrant, offload
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i != 1:
+                x = layer(x)
+            elif self.offload:
+                with torch.autograd.graph.save_on_cpu():
+                    x = layer(x)
+            else:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.reentrant)
+        return x
+
+
+def _own_checkpoint(**kw):
+    return planner.plan(_SelfCheckpointing(**kw).train(), budget_gb=1,
+                        example_inputs=torch.randn(4, 8), repeats=1)
+
+
+def _profile_a_planned_model():
+    m, x = _gpt()
+    planner.plan(m, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    return planner.profile(m, x, repeats=1)
+
+
 def _schedule_for_another_model():
     """A schedule made for a 2-layer model, applied to a 3-layer one."""
     m, x = _gpt()
@@ -209,6 +241,16 @@ ROWS = [
         r"gradient_checkpointing_disable\(\)"),
     Row("checkpoint_wrapper inside", _checkpoint_wrapper, CkptPlannerError,
         r"already wrapped for checkpointing.*remove checkpoint_wrapper"),
+    Row("the model calls torch.utils.checkpoint itself", _own_checkpoint, planner.ModelRunError,
+        r"calls torch.utils.checkpoint itself, in layers.1:.*remove the model's own "
+        r"checkpointing"),
+    Row("the model calls reentrant checkpoint itself", lambda: _own_checkpoint(reentrant=True),
+        planner.ModelRunError, r"checkpoint\(use_reentrant=True\) itself.*remove the model's "
+        r"own checkpointing"),
+    Row("the model offloads activations itself", lambda: _own_checkpoint(offload=True),
+        planner.ModelRunError, r"saved-tensor hooks of its own.*in layers.1:"),
+    Row("profile of a model that carries a plan", _profile_a_planned_model,
+        planner.ModelRunError, r"calls torch.utils.checkpoint itself.*planner.remove\(model\)"),
     Row("schedule for a 2-layer model on a 3-layer one", _schedule_for_another_model,
         ScheduleError, r"made for another model: this model has modules the plan does not "
         r"know: blocks.2.*re-plan for this model"),
