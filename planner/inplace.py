@@ -130,6 +130,33 @@ def _buffer_copies(slots: list[tuple[torch.nn.Module, str]]) -> Iterator[None]:
             mod._buffers[attr] = b
 
 
+def _once_each(fn, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """`fn` and `args` with each tensor passed once: a tensor given in several positions
+    (self-attention's ``query``, ``key``, ``value``) reaches `fn` as one object in all of them.
+    A checkpoint nested in a replayed one gets its arguments back from saved tensors, one
+    object per position, and code that tests ``query is key`` (`nn.MultiheadAttention`) would
+    replay another path than its forward took."""
+    where: list[int] = []
+    kept: list[Any] = []
+    first: dict[int, int] = {}
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            k = first.setdefault(id(a), len(kept))
+            if k == len(kept):
+                kept.append(a)
+            where.append(k)
+        else:
+            where.append(len(kept))
+            kept.append(a)
+    if len(kept) == len(args):
+        return fn, args
+
+    def call(*given: Any) -> Any:
+        return fn(*(given[k] for k in where))
+
+    return call, tuple(kept)
+
+
 class _RegionRunner:
     """Runs a function under non-reentrant checkpoint as a region says: selective policy, RNG
     preservation, buffer copies during the replay.
@@ -182,6 +209,7 @@ class _RegionRunner:
         return fwd, recompute()
 
     def run(self, fn, *args: Any) -> Any:
+        fn, args = _once_each(fn, args)
         if torch.compiler.is_compiling():
             extra = {} if self._compiled_context is None else \
                 {"context_fn": self._compiled_context}

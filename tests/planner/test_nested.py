@@ -214,3 +214,28 @@ def test_nested_calls_rerun_in_a_replay_keep_their_frames(inner):
         remove(model)
     assert measured < unplanned
     assert abs(predicted - measured) <= 1024, (predicted, measured)
+
+
+def test_a_nested_self_attention_replays_with_one_tensor_for_query_key_and_value():
+    """`nn.TransformerEncoderLayer` calls `nn.MultiheadAttention(x, x, x)`, which takes its
+    packed in-projection only where ``query is key is value``. Nested in a checkpointed layer,
+    the attention's checkpoint gets its arguments back from saved tensors when it replays; given
+    three objects it would take the separate projections, and torch's determinism check raised.
+    The region passes each tensor once, so the replay takes the path forward took."""
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True), 2).train()
+    x = torch.randn(2, 16, 32)
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[1, 10:] = True
+    inputs = {"src": x, "src_key_padding_mask": mask}
+
+    def loss_fn(out):
+        return out.pow(2).mean()
+
+    reference = _grads(model, inputs, loss_fn)
+    prof = planner.profile(model, inputs, loss_fn=loss_fn, repeats=1)
+    by_module = {s.call.module: s for s in useful_calls(prof)}
+    spans = [by_module["layers.1"], by_module["layers.1.self_attn"]]
+    regions = bind(prof, tuple(region(prof, s.a, s.b) for s in spans))
+    _check(prof, model, inputs, loss_fn, regions, reference)
