@@ -2,8 +2,10 @@
 0.75, 0.5 and 0.3 x its activation memory: predicted against measured peak, fit, gradients.
 
     HF_HUB_OFFLINE=1 python benchmarks/zoo_table.py          # a Markdown table, under a minute
+    HF_HUB_OFFLINE=1 python benchmarks/zoo_table.py --outside   # the families outside the zoo
 
 The same plans as `tests/planner/test_zoo.py`, which asserts them; this prints the figures.
+``--outside`` plans `benchmarks/outside_zoo.py` instead: families no test asserts.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ def main() -> int:
           "predicted - measured | fits | max grad rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
-    for name in sorted(CASES):
+    cases = CASES
+    if "--outside" in sys.argv[1:]:
+        from benchmarks.outside_zoo import CASES as cases
+    for name in sorted(cases):
         torch.manual_seed(0)
-        case = CASES[name]()
+        case = cases[name]()
         prof = planner.profile(case.model, case.inputs, loss_fn=case.loss_fn, repeats=1)
         n, least = simulate(prof).peak_bytes, smallest_peak(prof)
         for f in FRACTIONS:

@@ -1,0 +1,189 @@
+"""More model families, outside the test zoo: what `benchmarks/zoo_table.py --outside` plans.
+
+The test zoo (`tests/zoo.py`) is asserted on every CI run; these are checked by hand, the way a
+new user would try the planner on the model they train: small configs with random weights,
+dropout 0.1, padded attention masks and ``use_cache=False`` where they apply, labels so the output
+carries ``.loss``. Each builder returns a `tests.zoo.Case`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tests.zoo import Case, P, _hf, _images, _lm_inputs
+
+__all__ = ["CASES"]
+
+
+def _decoder(config_cls: str, model_cls: str, **config: Any) -> Callable[[], Case]:
+    """An HF causal LM, 2 rows of 32 tokens, the second right-padded to 20."""
+
+    def build() -> Case:
+        import transformers
+
+        torch.manual_seed(0)
+        model = _hf(getattr(transformers, model_cls), getattr(transformers, config_cls)(**config))
+        return Case(model, _lm_inputs(512, 2, 32, [32, 20]), None, _lm_inputs(512, 1, 16),
+                    "decoder")
+
+    return build
+
+
+def _classifier(config_cls: str, model_cls: str, **config: Any) -> Callable[[], Case]:
+    """An HF sequence classifier (2 classes), the second row right-padded."""
+
+    def batch(rows: int, seq: int, lengths: list[int]) -> dict[str, torch.Tensor]:
+        real = (torch.arange(seq) < torch.tensor(lengths)[:, None]).long()
+        return {"input_ids": torch.randint(1, 512, (rows, seq)) * real, "attention_mask": real,
+                "labels": torch.randint(0, 2, (rows,))}
+
+    def build() -> Case:
+        import transformers
+
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
+        return Case(model.train(), batch(2, 32, [32, 17]), None, batch(1, 16, [16]), "encoder")
+
+    return build
+
+
+def _swin() -> Case:
+    from transformers import SwinConfig, SwinForImageClassification
+
+    torch.manual_seed(0)
+    config = SwinConfig(image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+                        window_size=4, hidden_dropout_prob=P, attention_probs_dropout_prob=P,
+                        drop_path_rate=P, num_labels=10)
+    return Case(SwinForImageClassification(config).train(), _images(2, 32), None, _images(1, 16),
+                "vision")
+
+
+def _wav2vec2() -> Case:
+    """CTC on raw audio: a convolutional front end, a weight-normed positional convolution."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, hidden_dropout=P,
+        attention_dropout=P, activation_dropout=P, feat_proj_dropout=P, layerdrop=0.0,
+        mask_time_prob=0.0, ctc_loss_reduction="mean", pad_token_id=0)
+
+    def batch(rows: int, samples: int, labels: int) -> dict[str, torch.Tensor]:
+        return {"input_values": torch.randn(rows, samples),
+                "labels": torch.randint(1, 32, (rows, labels))}
+
+    return Case(Wav2Vec2ForCTC(config).train(), batch(2, 4000, 20), None, batch(1, 2000, 10),
+                "audio")
+
+
+def _clip() -> Case:
+    """Two towers and a contrastive loss (``return_loss=True``)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=64, dropout=P, attention_dropout=P)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8, dropout=P,
+                  attention_dropout=P)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=32))
+
+    def batch(rows: int, seq: int) -> dict[str, Any]:
+        ids = torch.randint(1, 512, (rows, seq))
+        mask = torch.ones_like(ids)
+        mask[-1, seq // 2:] = 0
+        return {"input_ids": ids, "attention_mask": mask,
+                "pixel_values": torch.randn(rows, 3, 32, 32), "return_loss": True}
+
+    return Case(model.train(), batch(4, 32), None, batch(2, 16), "multimodal")
+
+
+def _lstm() -> Case:
+    """A 2-layer `nn.LSTM` language model: one module, so one region at most."""
+
+    class LSTMLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(100, 32)
+            self.rnn = nn.LSTM(32, 64, 2, batch_first=True, dropout=P)
+            self.head = nn.Linear(64, 100)
+
+        def forward(self, x):
+            return self.head(self.rnn(self.emb(x))[0])
+
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 100, (4, 40)), torch.randint(0, 100, (4, 40))
+    return Case(LSTMLM().train(), (x,),
+                lambda out: F.cross_entropy(out.flatten(0, 1),
+                                            y[:out.shape[0], :out.shape[1]].flatten()),
+                (x[:2, :20],), "plain")
+
+
+def _torch_transformer() -> Case:
+    """`nn.TransformerEncoder` with a key padding mask (`nn.MultiheadAttention(x, x, x)`)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=P, batch_first=True)
+    model = nn.TransformerEncoder(layer, 3).train()
+    x = torch.randn(4, 32, 64)
+    mask = torch.zeros(4, 32, dtype=torch.bool)
+    mask[1, 20:] = True
+    return Case(model, {"src": x, "src_key_padding_mask": mask}, lambda out: out.pow(2).mean(),
+                {"src": x[:2, :16], "src_key_padding_mask": mask[:2, :16]}, "plain")
+
+
+_LM = dict(vocab_size=512, max_position_embeddings=128)
+CASES: dict[str, Callable[[], Case]] = {
+    "opt": _decoder("OPTConfig", "OPTForCausalLM", **_LM, hidden_size=64, num_hidden_layers=3,
+                    ffn_dim=128, num_attention_heads=4, dropout=P, attention_dropout=P,
+                    word_embed_proj_dim=64),
+    "gpt_neox": _decoder("GPTNeoXConfig", "GPTNeoXForCausalLM", **_LM, hidden_size=64,
+                         num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
+                         hidden_dropout=P, attention_dropout=P),
+    "phi": _decoder("PhiConfig", "PhiForCausalLM", **_LM, hidden_size=64, num_hidden_layers=3,
+                    intermediate_size=128, num_attention_heads=4, resid_pdrop=P, embd_pdrop=P,
+                    attention_dropout=P),
+    "gemma": _decoder("GemmaConfig", "GemmaForCausalLM", **_LM, hidden_size=64,
+                      num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, attention_dropout=P),
+    "gemma2": _decoder("Gemma2Config", "Gemma2ForCausalLM", **_LM, hidden_size=64,
+                       num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, attention_dropout=P, sliding_window=16),
+    "falcon": _decoder("FalconConfig", "FalconForCausalLM", vocab_size=512, hidden_size=64,
+                       num_hidden_layers=3, num_attention_heads=4, hidden_dropout=P,
+                       attention_dropout=P),
+    "gptj": _decoder("GPTJConfig", "GPTJForCausalLM", vocab_size=512, n_embd=64, n_layer=3,
+                     n_head=4, rotary_dim=8, resid_pdrop=P, embd_pdrop=P, attn_pdrop=P,
+                     n_positions=128),
+    "qwen3": _decoder("Qwen3Config", "Qwen3ForCausalLM", **_LM, hidden_size=64,
+                      num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, attention_dropout=P),
+    "qwen2_moe": _decoder("Qwen2MoeConfig", "Qwen2MoeForCausalLM", **_LM, hidden_size=64,
+                          num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=64, num_experts=4,
+                          num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                          attention_dropout=P),
+    "roberta": _classifier("RobertaConfig", "RobertaForSequenceClassification", vocab_size=512,
+                           hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+                           num_attention_heads=4, hidden_dropout_prob=P,
+                           attention_probs_dropout_prob=P, max_position_embeddings=130),
+    "distilbert": _classifier("DistilBertConfig", "DistilBertForSequenceClassification",
+                              vocab_size=512, dim=64, n_layers=3, hidden_dim=128, n_heads=4,
+                              dropout=P, attention_dropout=P, seq_classif_dropout=P),
+    "electra": _classifier("ElectraConfig", "ElectraForSequenceClassification", vocab_size=512,
+                           embedding_size=32, hidden_size=64, num_hidden_layers=3,
+                           intermediate_size=128, num_attention_heads=4, hidden_dropout_prob=P,
+                           attention_probs_dropout_prob=P),
+    "swin": _swin,
+    "wav2vec2": _wav2vec2,
+    "clip": _clip,
+    "lstm": _lstm,
+    "torch_transformer": _torch_transformer,
+}
+"""Every builder, by name."""
