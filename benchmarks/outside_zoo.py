@@ -1,9 +1,9 @@
-"""More model families, outside the test zoo: what `benchmarks/zoo_table.py --outside` plans.
+"""More model families beside the test zoo: what `benchmarks/zoo_table.py --outside` plans.
 
-The test zoo (`tests/zoo.py`) is asserted on every CI run; these are checked by hand, the way a
-new user would try the planner on the model they train: small configs with random weights,
-dropout 0.1, padded attention masks and ``use_cache=False`` where they apply, labels so the output
-carries ``.loss``. Each builder returns a `tests.zoo.Case`.
+Built the way a new user would try the planner on the model they train: small configs with random
+weights, dropout 0.1, padded attention masks and ``use_cache=False`` where they apply, labels so
+the output carries ``.loss``. Each builder returns a `tests.zoo.Case`; `tests/planner/test_zoo.py`
+asserts the same checks on these as on the zoo's.
 """
 
 from __future__ import annotations

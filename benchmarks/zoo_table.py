@@ -5,7 +5,7 @@
     HF_HUB_OFFLINE=1 python benchmarks/zoo_table.py --outside   # the families outside the zoo
 
 The same plans as `tests/planner/test_zoo.py`, which asserts them; this prints the figures.
-``--outside`` plans `benchmarks/outside_zoo.py` instead: families no test asserts.
+``--outside`` plans the families of `benchmarks/outside_zoo.py` instead (asserted there too).
 """
 
 from __future__ import annotations

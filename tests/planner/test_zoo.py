@@ -1,6 +1,8 @@
 """Models nobody on the team wrote, called the way people train them (`tests.zoo`): HF decoders with
 and without padded masks, an encoder, an encoder-decoder, vision models, PEFT LoRA, a top-2 MoE
-with data-dependent routing, value-dependent Python, a loss that takes targets.
+with data-dependent routing, value-dependent Python, a loss that takes targets; and the 17 families
+of `benchmarks/outside_zoo.py` (more decoders, encoders, Swin, Wav2Vec2, CLIP, LSTM, torch's own
+TransformerEncoder).
 
 Each is profiled once and planned at 0.75, 0.5 and 0.3 x its activation memory above the fixed
 memory. Where a plan exists it must train exactly like the model (same loss, gradients to rtol
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 import planner
+from benchmarks.outside_zoo import CASES as OUTSIDE
 from planner.api import SLACK_BYTES, plan_from_profile
 from planner.capture.record import default_loss
 from planner.inplace import applied
@@ -27,12 +30,14 @@ from tests.zoo import CASES, call
 
 FRACTIONS = (0.75, 0.5, 0.3)
 pytestmark = pytest.mark.slow
+EVERY = {**CASES, **OUTSIDE}
+"""The zoo and the families of `benchmarks/outside_zoo.py` (no name in both)."""
 
 
 @functools.cache
 def _case(name: str):
     torch.manual_seed(0)
-    case = CASES[name]()
+    case = EVERY[name]()
     prof = planner.profile(case.model, case.inputs, loss_fn=case.loss_fn, repeats=1)
     n = simulate(prof).peak_bytes
     return case, prof, n, smallest_peak(prof)
@@ -51,8 +56,12 @@ def _step(model, inputs, loss_fn, seed: int = 0):
     return loss.detach(), grads
 
 
+def test_the_families_outside_the_zoo_are_others():
+    assert not set(CASES) & set(OUTSIDE)
+
+
 @pytest.mark.parametrize("f", FRACTIONS)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(EVERY))
 def test_zoo_plans_train_identically_and_fit(name, f):
     case, prof, n, least = _case(name)
     model = case.model
