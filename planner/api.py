@@ -214,8 +214,10 @@ class Plan:
             m = self.compile_memory_budget or 1.0
             how = "torch.compile(model, backend=plan.compile_backend)" if m != 1.0 else \
                 f"torch.compile(model, backend={self.compiled_backend!r})"
+            with_opt = (" with the optimizer's state added (its update as simulated)"
+                        if p.optimizer_state_bytes else "")
             lines.append(f"under torch.compile(backend={self.compiled_backend!r}) with "
-                         f"activation_memory_budget {m:g}: measured peak "
+                         f"activation_memory_budget {m:g}: measured peak{with_opt} "
                          f"{format_bytes(self.compiled_peak_bytes)} (the peaks above are eager "
                          f"predictions; the compiled step keeps what its partitioner decides, "
                          f"measured); compile with {how}")
@@ -446,6 +448,7 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
     # update, which runs eagerly after backward, must fit on its own.
     state = (local if local is not None else prof).optimizer_state_bytes
     target = budget - SLACK_BYTES - offset - spread - state
+    remove(model)  # the candidates are copies; the model is left as it was until one is chosen
     update = _update_peak(prof)
     if update is not None and update > budget:
         raise InfeasibleBudgetError(
@@ -453,7 +456,6 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
             f"gradients, its state and its temporaries), above the budget {format_bytes(budget)}: "
             "no checkpointing lowers it. Raise the budget, or shard the optimizer state (FSDP2) "
             "or use a lighter optimizer")
-    remove(model)
     eager_none = simulate(local if local is not None else prof).peak_bytes
 
     def solve_at(variant: Profile, b: int) -> Schedule | None:

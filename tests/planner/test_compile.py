@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 import planner
 from planner.api import SLACK_BYTES
 from planner.capture.record import default_loss
+from planner.inplace import applied
 from planner.measurement import measure
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
@@ -126,6 +127,7 @@ def test_plan_for_compile_with_an_optimizer_holds_the_budget_with_its_state_and_
     p = planner.plan(model, budget_bytes=budget, example_inputs=x, loss_fn=loss_fn, repeats=1,
                      optimizer=opt, compile="aot_eager")
     assert p.compiled_peak_bytes is not None and p.compiled_peak_bytes <= budget
+    assert "optimizer's state added" in p.report()
     compiled = torch.compile(model, backend=p.compile_backend)
     assert measure(compiled, x, loss_fn, optimizer=opt, repeats=1).peak_bytes <= budget
     planner.remove(model)
@@ -133,6 +135,7 @@ def test_plan_for_compile_with_an_optimizer_holds_the_budget_with_its_state_and_
     with pytest.raises(planner.InfeasibleBudgetError, match="optimizer's step alone"):
         planner.plan(model, budget_bytes=f, example_inputs=x, loss_fn=loss_fn, repeats=1,
                      optimizer=opt, compile="aot_eager")
+    assert applied(model) is None  # refused: the model is left unplanned
     torch._dynamo.reset()
 
 
@@ -229,8 +232,6 @@ def test_a_budget_below_the_eager_floor_is_judged_on_the_compiled_step():
     except planner.InfeasibleBudgetError as e:
         assert "under torch.compile(backend='inductor')" in str(e)
         assert "measured compiled peaks" in str(e)
-        from planner.inplace import applied
-
         assert applied(model) is None  # the model is left as it was
     else:
         assert p.compiled_peak_bytes is not None and p.compiled_peak_bytes <= budget
