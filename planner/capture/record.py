@@ -25,6 +25,7 @@ This module knows nothing about solvers; `planner.assemble` turns a `Recording` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import statistics
 import sys
@@ -219,8 +220,12 @@ class OpRecord:
     grad_mode: bool = True
     """Whether gradients were enabled when the op ran (`torch.no_grad` blocks inside forward)."""
     fills: int | None = None
-    """Backward ops of `_COMPLIANT_OUT_OF_PLACE`: the storage of their ``self`` argument, which
-    the in-place variant run outside the recorder writes into (`_undo_compliance`)."""
+    """Backward ops of `_COMPLIANT_OUT_OF_PLACE`, and the engine's gradient accumulations: the
+    storage of their ``self`` argument, which the in-place variant run outside the recorder
+    writes into (`_undo_compliance`)."""
+    accumulates: bool = False
+    """The autograd engine's sum of two gradients for one input of a node (its ``InputBuffer``),
+    not an op of a backward formula."""
 
 
 @dataclass(frozen=True)
@@ -315,6 +320,30 @@ which every tensor is while a dispatch mode is active, and in place otherwise:
 (`index_select`'s), ``_index_put_impl_`` (indexing's, ``x[idx]``), ``put_`` (`take`'s). Under
 the recorder they allocate a second buffer that a real step does not."""
 
+_ACCUMULATE = "aten.add.Tensor"
+"""The op the autograd engine sums two gradients of one node input with (``InputBuffer``): in
+place into the first (``old.add_(new)``) when that is dense and the engine holds its last
+reference, unless either is "subclass-like", which under a dispatch mode both always are."""
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill a block of memory without gaps or overlaps in some order of
+    its dimensions (ATen's ``is_non_overlapping_and_dense``)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _sole_holder(t: torch.Tensor) -> bool:
+    """No other tensor (a view) holds `t`'s storage: its only references are `t`'s and the
+    storage object this asks through."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+
 
 def op_name(func: Any) -> str:
     """The profile's name of an op: ``aten.addmm.default`` (namespace, overload packet, overload)."""
@@ -387,6 +416,9 @@ class _Recorder(TorchDispatchMode):
         self.counts: dict[str, int] = {}
         self.fixed_kind: dict[int, str] = {}  # storage id -> "param"/"buffer"/"input"
         self.buffer_sids: set[int] = set()
+        self.applied: int | None = None
+        """Sequence number of the autograd node whose formula has just returned: the ops that
+        follow under it, until the next node runs, are the engine's accumulations."""
         self.foreign_hooks: dict[str, str] = {}
         """Module -> the saved-tensor pack hook the model's own code put above the recorder's
         (its own checkpointing or offloading), where a forward op ran under one."""
@@ -544,6 +576,13 @@ class _Recorder(TorchDispatchMode):
         if (self.phase == "backward" and rec.op in _COMPLIANT_OUT_OF_PLACE and args
                 and isinstance(args[0], torch.Tensor)):
             rec.fills = self.sid(args[0])
+        if node is not None and rec.op == _ACCUMULATE and self.applied == node._sequence_nr():
+            # after the node's formula returned (`applied`): the engine summing its outputs
+            rec.accumulates = True
+            old = args[0] if len(args) == 2 and not kwargs else None
+            if (isinstance(old, torch.Tensor) and old.layout == torch.strided and _dense(old)
+                    and _sole_holder(old)):
+                rec.fills = self.sid(old)
         if self.phase in ("forward", "loss") and any(o is not None for o in out_sids):
             if seq != self.last_seq:  # this op created autograd node seq - 1
                 self.seq_owner.setdefault(seq - 1, idx)
@@ -763,7 +802,9 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
         loss_sid = rec.sid(loss) if rec is not None and rec.structure else -1
     if rec is not None:
         rec.phase = "backward"
-    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    with (_watch_nodes(rec, loss.grad_fn) if rec is not None and rec.structure
+          else contextlib.nullcontext()):
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     grad_sids = []
     if rec is not None and rec.structure:
         grad_sids = [rec.sid(g) for g in grads if g is not None]
@@ -771,6 +812,31 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
         rec._final_refs = (loss, grads)  # held until the recording is assembled
     del loss, grads
     return out_sids, loss_sid, grad_sids
+
+
+@contextlib.contextmanager
+def _watch_nodes(rec: _Recorder, root: Any) -> Iterator[None]:
+    """A post hook on every node of the step's autograd graph, which runs when the node's
+    formula has returned and before the engine adds its outputs into the next nodes' inputs:
+    from there until the next node runs, `rec.applied` names it."""
+    def hook(seq: int, *_: Any) -> None:
+        rec.applied = seq
+
+    handles, seen, stack = [], {}, [root]
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen[id(n)] = n  # held, so that ids stay unique while the walk lasts
+        if type(n).__name__ != "AccumulateGrad":  # writes a leaf's gradient, adds nothing
+            handles.append(n.register_hook(functools.partial(hook, n._sequence_nr())))
+        stack.extend(f for f, _ in n.next_functions)
+    try:
+        yield
+    finally:
+        rec.applied = None
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
@@ -915,24 +981,28 @@ def _run_error(spec: StepSpec, rec: _Recorder, e: Exception,
 
 def _undo_compliance(ops: list[OpRecord], owner: dict[int, int], n_ph: int,
                      storage_bytes: list[int]) -> None:
-    """Make the recording's memory that of a real step where the recorder changed it: an op of
-    `_COMPLIANT_OUT_OF_PLACE` whose ``self`` is a zero-filled buffer made for it by the same
-    autograd formula, read by nothing else and dying at it, ran in place outside the recorder.
-    Its output becomes that buffer (as an in-place result is): the storage it allocated is
-    never allocated, and the buffer lives as long as the output did. Custom `autograd.Function`
-    backwards are left as recorded: their Python chose out of place itself."""
+    """Make the recording's memory that of a real step where the recorder changed it. Outside
+    the recorder these run in place: an op of `_COMPLIANT_OUT_OF_PLACE` whose ``self`` is a
+    zero-filled buffer made for it by the same autograd formula, read by nothing else and dying
+    at it; and the engine's sum of two gradients for one input (`_ACCUMULATE`) where the first
+    dies at it (the engine held its last reference: no other input, view or hook kept it).
+    The output becomes that buffer (as an in-place result is): the storage it allocated is never
+    allocated, and the buffer lives as long as the output did. Ops of custom
+    `autograd.Function` backwards are left as recorded: their Python chose out of place
+    itself."""
     for i, r in enumerate(ops):
         sid = r.fills
-        if (sid is None or r.python_backward or sid not in r.releases or sid not in owner
-                or len(r.new_storages) != 1 or r.storage != r.new_storages[0]
+        if (sid is None or (r.python_backward and not r.accumulates) or sid not in r.releases
+                or sid not in owner or len(r.new_storages) != 1
+                or r.storage != r.new_storages[0]
                 or storage_bytes[r.storage] != storage_bytes[sid]):
             continue
         f = owner[sid] + n_ph if owner[sid] >= 0 else -1
         if not n_ph <= f < i:
             continue
         made = ops[f]
-        if (made.op not in _ZERO_FACTORIES or made.grad_of != r.grad_of
-                or any(f in ops[j].inputs for j in range(f + 1, i))):
+        if not r.accumulates and (made.op not in _ZERO_FACTORIES or made.grad_of != r.grad_of
+                                  or any(f in ops[j].inputs for j in range(f + 1, i))):
             continue
         out = r.storage
         r.releases.remove(sid)
@@ -943,6 +1013,8 @@ def _undo_compliance(ops: list[OpRecord], owner: dict[int, int], n_ph: int,
                 later.storage = sid
             for field_ in (later.releases, later.writes):
                 field_[:] = [sid if s == out else s for s in field_]
+            if later.fills == out:
+                later.fills = sid
             if out in later.saves:
                 later.saves.discard(out)
                 later.saves.add(sid)

@@ -141,6 +141,94 @@ def test_backward_of_a_pick_costs_one_buffer_as_in_a_real_step(pick):
     assert simulate(prof).peak_bytes == pytest.approx(measured, rel=0.005)
 
 
+class _Scan(nn.Module):
+    """A recurrence over time steps that reads its input at one position per step
+    (``h[:, t]``), as the reference selective scan of HF's Mamba and hand-written RNN cells do:
+    backward sums one ``select_backward`` buffer per step into one gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 512)
+
+    def forward(self, x):
+        h = self.up(x).view(x.shape[0], 64, 8)
+        state, outs = torch.zeros_like(h[:, 0]), []
+        for t in range(h.shape[1]):
+            state = state * 0.9 + h[:, t]
+            outs.append(state)
+        return torch.stack(outs, 1)
+
+
+class _TwoReaders(nn.Module):
+    """One 3-D activation read by two matmuls: each gradient reaches it as a view of a 2-D `mm`
+    result that the view keeps alive, so the engine cannot sum into it in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.wa = nn.Parameter(torch.randn(64, 64) / 8)
+        self.wb = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        h = self.up(x)
+        return (h @ self.wa.T).relu() + (h @ self.wb.T)
+
+
+def _engine_sums(model: nn.Module, x) -> tuple[list[bool], list[bool]]:
+    """The autograd engine's sums of two gradients for one input, in order, each True where it
+    ran in place: as recorded (``add`` that allocates nothing once assembled), and in a real
+    step under `torch.profiler` (``aten::add_`` rather than ``aten::add`` directly under an
+    ``evaluate_function``)."""
+    from planner.capture.record import default_loss, record_step
+    from planner.profiling import step_spec
+
+    rec = record_step(step_spec(model, x), stages=False)
+    recorded = [not r.new_storages for r in rec.ops if r.accumulates]
+    args, kwargs = split_inputs(x)
+    loss = default_loss(model(*args, **kwargs))
+    with torch.profiler.profile() as prof:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    real = [e.name == "aten::add_" for e in prof.events()
+            if e.name in ("aten::add", "aten::add_") and e.cpu_parent is not None
+            and e.cpu_parent.name.startswith("autograd::engine::evaluate_function")]
+    return recorded, real
+
+
+_SUMS = {
+    "scan": lambda: (_Scan(), torch.randn(64, 16)),
+    "two_readers": lambda: (_TwoReaders(), torch.randn(8, 32, 16)),
+    "hf_llama": lambda: hf_llama(**SIZES["hf_llama"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SUMS))
+def test_gradient_sums_run_in_place_where_a_real_step_runs_them_in_place(name):
+    """Where two gradients meet, the engine sums the second into the first in place when it
+    holds that buffer's last reference, but never under a dispatch mode (the recorder's), which
+    makes every tensor "subclass-like". The recording keeps the out-of-place sum only where a
+    real step runs it too."""
+    torch.manual_seed(0)
+    model, x = _SUMS[name]()
+    model.train()
+    recorded, real = _engine_sums(model, x)
+    assert real and recorded == real
+    if name != "two_readers":
+        assert any(real)
+    else:
+        assert not any(real)
+
+
+def test_gradient_summed_at_every_step_of_a_scan_costs_one_buffer():
+    """`_Scan`'s backward keeps one gradient buffer for ``h`` however many steps add into it,
+    as a real step does; recorded out of place, every step's sum held a second one."""
+    torch.manual_seed(0)
+    model, x = _Scan(), torch.randn(64, 16)
+    prof = profile(model, x, repeats=1)
+    measured = measure(model, x, repeats=1).peak_bytes
+    assert simulate(prof).peak_bytes == pytest.approx(measured, rel=0.005)
+
+
 def test_a_tensor_held_by_a_reference_cycle_lives_to_the_end_of_the_step():
     """A tensor that only a reference cycle keeps (an object pointing at itself) dies when the
     garbage collector runs, not at its last reader: the profile keeps it to the end of the step,
