@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from planner import compiled, inplace
-from planner.capture.record import default_loss, split_inputs
+from planner.capture.record import default_loss, seeds_running_all, split_inputs
 from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
-from planner.profiling import profile
+from planner.profiling import profile, step_spec
 from solvers.distributed import per_rank
 from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
@@ -210,6 +210,11 @@ class Plan:
                          f"routing): planned {format_bytes(self.margin_bytes)} below the budget, "
                          "the spread of the peak measured over other batches; replays re-route "
                          "the same tokens (torch checks the recomputed shapes)")
+        if p.meta.random_skips:
+            n = len(p.meta.random_skips)
+            lines.append(f"modules skipped at random in training ({n}, e.g. "
+                         f"{p.meta.random_skips[0]}: LayerDrop): profiled a draw that runs them "
+                         "all, the most memory a step needs; steps that skip some need less")
         if self.compiled_backend is not None and self.compiled_peak_bytes is not None:
             m = self.compile_memory_budget or 1.0
             how = "torch.compile(model, backend=plan.compile_backend)" if m != 1.0 else \
@@ -391,17 +396,29 @@ MARGIN_ROUNDS = 3
 """Re-plans at most, each with the margin the measured peaks asked for."""
 
 
+def _must_run(prof: Profile) -> list[str] | None:
+    """Where the model skips modules at random, the modules the profiled draw ran."""
+    return sorted({c.module for c in prof.calls}) if prof.meta.random_skips else None
+
+
 def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_fn,
            autocast: torch.dtype | None,
-           optimizer: torch.optim.Optimizer | None = None) -> list[int]:
+           optimizer: torch.optim.Optimizer | None = None,
+           must_run: list[str] | None = None) -> list[int]:
     """The planned step's measured peak on the example and each other batch, or on other random
     draws of the example: how much a value-dependent model's memory moves from batch to batch.
-    With the optimizer's state and step, as the plan's budget counts them (restored after)."""
+    With the optimizer's state and step, as the plan's budget counts them (restored after).
+    Where the model skips modules at random, only draws that run every module of `must_run`
+    (those the profiled draw ran): the spread of value-dependent memory, not of layers run."""
     peaks = []
     batches = [example_inputs, *extra]
-    for k, batch in enumerate(batches if extra else [example_inputs] * SPREAD_DRAWS):
+    seeds = [1000 + k for k in range(max(len(batches), SPREAD_DRAWS))]
+    if must_run:
+        seeds = seeds_running_all(step_spec(unwrap(model), example_inputs, loss_fn, autocast),
+                                  must_run, len(seeds)) or seeds
+    for k, batch in enumerate(batches if extra else [example_inputs] * len(seeds)):
         with torch.random.fork_rng():
-            torch.manual_seed(1000 + k)
+            torch.manual_seed(seeds[k % len(seeds)])
             peaks.append(measure(model, batch, loss_fn, optimizer=optimizer, repeats=1,
                                  autocast=autocast).peak_bytes)
     return peaks
@@ -708,7 +725,8 @@ def plan(
     if budget is not None and compile is not None:
         # Memory that moves from batch to batch is kept free below the compiled budget: the
         # spread of the (eager) planned step's peak over other batches or random draws.
-        peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer) \
+        peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer,
+                       _must_run(prof)) \
             if moves else [0]
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
                           time_limit_s, compile_memory_budgets, spread(peaks))
@@ -719,7 +737,8 @@ def plan(
         # below the budget.
         margin = 0
         for _ in range(MARGIN_ROUNDS):
-            peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer)
+            peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer,
+                           _must_run(prof))
             need = (p.rank_offset_bytes() + max(peaks)
                     + (max(peaks) - min(peaks) if prof.meta.data_dependent_ops else 0)
                     - (budget - SLACK_BYTES))

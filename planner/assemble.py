@@ -167,6 +167,7 @@ def to_profile(
         capture="run",
         data_dependent_ops=sum(1 for r in rec.ops if r.phase == "forward"
                                and r.dynamic.startswith("output shape")),
+        random_skips=list(rec.random_skips),
     )
     return Profile(
         nodes=tuple(nodes),

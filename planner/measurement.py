@@ -136,18 +136,30 @@ def measure(
     cuda = dev.type == "cuda"
     amp = (dev.type, autocast) if autocast is not None else None
     rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(dev) if cuda else None
+
+    def same_draw() -> None:
+        """Every step draws what the first did (dropout masks, LayerDrop's skips): the step
+        measured is the one the caller's RNG state gives."""
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, dev)
+
     try:
         for _ in range(warmup):
             _zero_grads(module)
             _step(module, args, kwargs, loss_fn, optimizer, None, amp)
+            same_draw()
         _zero_grads(module)
         fixed = fixed_bytes(module, example_inputs, optimizer)
         if cuda:
             peak, retained = _measure_cuda(module, args, kwargs, loss_fn, optimizer, amp)
         else:
-            peak, retained = _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp)
+            peak, retained = _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
+                                          same_draw)
         times = []
         for _ in range(repeats):
+            same_draw()
             _zero_grads(module)
             if cuda:
                 torch.cuda.synchronize(dev)
@@ -157,7 +169,7 @@ def measure(
                 torch.cuda.synchronize(dev)
             times.append((time.perf_counter() - t0) * 1e3)
     finally:
-        torch.random.set_rng_state(rng)
+        same_draw()
         if saved_state is not None:
             with torch.no_grad():
                 for p, v in zip(params, saved_state[0], strict=True):
@@ -181,7 +193,8 @@ DISTRIBUTED_STEPS = 6
 """Steps profiled on CPU when torch.distributed is initialized (see `_measure_cpu`)."""
 
 
-def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp) -> tuple[int, int]:
+def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
+                 same_draw: Callable[[], None] = lambda: None) -> tuple[int, int]:
     """Peak (above what existed before) and retained-after-forward bytes from memory events.
 
     Under torch.distributed (gloo), some frees run on gloo's worker threads, which the profiler
@@ -198,6 +211,7 @@ def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp) -> tuple[int, in
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     best = None
     for _ in range(DISTRIBUTED_STEPS if dist else 1):
+        same_draw()
         if optimizer is None:
             _zero_grads(module)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

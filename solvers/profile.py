@@ -175,6 +175,9 @@ class ProfileMeta:
     """Forward ops whose output shapes depend on tensor values (``nonzero``, boolean indexing,
     MoE routing): memory then differs from batch to batch, and the profile is exact only for the
     batch it recorded."""
+    random_skips: list[str] = field(default_factory=list)
+    """Modules the model skips at random in training (LayerDrop): the profiled step is a random
+    draw that runs every one of them, the most memory any draw needs."""
     capture: str = "graph"
     """How the step was captured: ``run`` (`planner.profile` ran one real step; regions are module
     calls, applied to the model in place) or ``graph`` (a traced graph, version 1 profiles, or a

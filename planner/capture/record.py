@@ -25,6 +25,7 @@ This module knows nothing about solvers; `planner.assemble` turns a `Recording` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import statistics
@@ -60,6 +61,7 @@ __all__ = [
     "is_view",
     "op_name",
     "record_step",
+    "seeds_running_all",
     "restoring",
     "run_step",
     "split_inputs",
@@ -275,6 +277,9 @@ class Recording:
     """Modules called once whose traced forward ran the recorded ops (`planner.stages`)."""
     step_ms: float | None = None
     """Wall time of one unrecorded step (median), when timed."""
+    random_skips: list[str] = field(default_factory=list)
+    """Modules the model skips at random in training (LayerDrop): the recorded step is a draw
+    that runs every one of them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,6 +299,9 @@ class StepSpec:
     """Run forward and loss under ``torch.autocast(device_type, dtype=autocast)`` and backward
     outside it, as PyTorch's mixed-precision recipe does."""
     device_type: str = "cpu"
+    seed: int | None = None
+    """Seed every run of the step with this (`restoring`) instead of the caller's RNG state: the
+    draw chosen where the model skips modules at random (`_all_modules_seed`)."""
 
 
 class _Packed:
@@ -416,6 +424,8 @@ class _Recorder(TorchDispatchMode):
         self.counts: dict[str, int] = {}
         self.fixed_kind: dict[int, str] = {}  # storage id -> "param"/"buffer"/"input"
         self.buffer_sids: set[int] = set()
+        self.entered: set[str] = set()
+        """Every module whose forward was called."""
         self.applied: int | None = None
         """Sequence number of the autograd node whose formula has just returned: the ops that
         follow under it, until the next node runs, are the engine's accumulations."""
@@ -709,6 +719,7 @@ class _Recorder(TorchDispatchMode):
         def pre(name):
             def hook(mod, args, kwargs):
                 self.module_stack.append(name)
+                self.entered.add(name)
                 if self.structure and self.phase == "forward":
                     self._check_hooks()
                 starts.append(len(self.ops))
@@ -845,6 +856,8 @@ def restoring(spec: StepSpec) -> Iterator[None]:
     saved = {k: v.detach().clone() for k, v in spec.buffers.items() if v.device.type != "meta"}
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
+        if spec.seed is not None:
+            torch.manual_seed(spec.seed)
         try:
             yield
         finally:
@@ -905,6 +918,15 @@ def record_step(
     if _unreleased(rec):
         gc.collect()  # a full collection costs in proportion to the whole process's objects
     recording = _assemble(spec, rec, out_sids, loss_sid, grad_sids, input_shapes)
+    groups = _skipped_siblings(spec.model, rec.entered) if spec.seed is None and not fake else []
+    if groups:
+        found = _all_modules_seed(spec, groups, rec.entered)
+        if found is not None:
+            recording = record_step(dataclasses.replace(spec, seed=found[0]), timing_repeats=
+                                    timing_repeats, workspace=workspace, device=device,
+                                    stages=stages)
+            recording.random_skips = found[1]
+            return recording
     if stages:
         recording.staged = _find_stages(spec, recording)
     if timing_repeats > 0 and not fake:
@@ -912,6 +934,94 @@ def record_step(
     if workspace and not fake and (device is None or device.type == "cpu"):
         _measure_workspace(spec, recording)
     return recording
+
+
+RANDOM_SKIP_DRAWS = 64
+"""Random draws tried for one that runs every module a model skips at random (LayerDrop with
+probability p over L layers runs them all with probability (1 - p) ** L: 0.28 at 0.1 over 12)."""
+
+
+def _skipped_siblings(model: torch.nn.Module, entered: set[str]) -> list[list[str]]:
+    """Groups of same-class children of one module (the layers of a `ModuleList`) of which the
+    step called some but not all: LayerDrop skipped them, or a forward leaves them out by
+    design."""
+    found = []
+    for name, m in model.named_modules():
+        groups: dict[type, list[str]] = {}
+        for child, c in m.named_children():
+            groups.setdefault(type(c), []).append(f"{name}.{child}" if name else child)
+        for paths in groups.values():
+            if len(paths) > 1 and any(p in entered for p in paths) \
+                    and not all(p in entered for p in paths):
+                found.append(paths)
+    return found
+
+
+def _entered(spec: StepSpec, seed: int) -> set[str] | None:
+    """The modules a forward of `spec` calls when the RNG is seeded with `seed` (no gradients
+    kept; buffers and RNG restored); None if the forward raises."""
+    entered: set[str] = set()
+    handles = [m.register_forward_pre_hook(lambda *_, n=name: entered.add(n))
+               for name, m in spec.model.named_modules()]
+    amp = (torch.autocast(spec.device_type, dtype=spec.autocast) if spec.autocast is not None
+           else contextlib.nullcontext())
+    try:
+        with restoring(dataclasses.replace(spec, seed=seed)), torch.no_grad(), amp:
+            spec.call()
+    except Exception:  # noqa: BLE001 - the recorded step ran; this draw only informs the search
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+        end_of_autocast()
+    return entered
+
+
+def seeds_running_all(spec: StepSpec, modules: list[str], count: int, first: int = 1000) -> list[int]:
+    """Up to `count` seeds from `first` on whose draw of the step's forward calls every one of
+    `modules` (a model's randomly skipped layers), trying at most `RANDOM_SKIP_DRAWS`."""
+    want, seeds = set(modules), []
+    for seed in range(first, first + RANDOM_SKIP_DRAWS):
+        got = _entered(spec, seed)
+        if got is not None and want <= got:
+            seeds.append(seed)
+            if len(seeds) == count:
+                break
+    return seeds
+
+
+def _all_modules_seed(spec: StepSpec, groups: list[list[str]],
+                      entered: set[str]) -> tuple[int, list[str]] | None:
+    """Where the recorded step skipped modules of `groups` that other random draws call
+    (LayerDrop, stochastic depth by module), a seed whose draw calls every module the recorded
+    one did and every module of `groups`: the step that needs the most memory; with the modules
+    seen skipped in some draw. None where the skipping does not depend on the RNG (a forward
+    that leaves a layer out by design); raises where it does and no draw of
+    `RANDOM_SKIP_DRAWS` calls all."""
+    watched = {p for g in groups for p in g}
+    skipped = sorted(watched - entered)
+    seen_other = False
+    for seed in range(RANDOM_SKIP_DRAWS):
+        got = _entered(spec, seed)
+        if got is None:
+            continue
+        for g in _skipped_siblings(spec.model, got):
+            watched.update(g)  # another group some draw skips in
+        if watched | entered <= got:
+            return seed, sorted(watched)
+        seen_other = seen_other or (got & watched) != (entered & watched)
+        if seed >= 1 and not seen_other:
+            return None  # three draws (the recorded one too) skip the same: not random
+    names = ", ".join(skipped[:4]) + (f" (and {len(skipped) - 4} more)" if len(skipped) > 4
+                                      else "")
+    raise ModelRunError(
+        f"{type(spec.model).__name__} skips modules at random in training (LayerDrop or "
+        f"stochastic depth: {names} did not run in the profiled step, their siblings did), and "
+        f"none of {RANDOM_SKIP_DRAWS} random draws ran all of them, so the step that needs the "
+        "most memory cannot be profiled. Plan with layer dropping off (Hugging Face: "
+        "config.layerdrop, encoder_layerdrop or decoder_layerdrop = 0 when building the model), "
+        "then turn it back on: a step that skips layers needs no more memory than one that "
+        "runs them all.")
 
 
 def _unreleased(rec: _Recorder) -> bool:

@@ -1,0 +1,112 @@
+"""Models that skip modules at random in training (LayerDrop): the planner profiles a draw that
+runs every such module, the most memory a step needs, and the plan holds its budget on every
+draw. Skipping that does not depend on the RNG (a forward that leaves a layer out) is left as
+recorded; a model whose draws never run them all gets an error that says what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from planner import ModelRunError, measure, plan, profile, remove
+from solvers.simulate import simulate
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bart(layerdrop: float):
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=512, d_model=64, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.1,
+        encoder_layerdrop=layerdrop, decoder_layerdrop=layerdrop, max_position_embeddings=64)
+    model = transformers.BartForConditionalGeneration(config).train()
+    ids = torch.randint(0, 512, (2, 32))
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 20:] = 0
+    return model, dict(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+
+
+LAYERS = [f"model.{part}.layers.{i}" for part in ("decoder", "encoder") for i in range(4)]
+
+
+def test_layerdrop_profile_is_the_draw_that_runs_every_layer():
+    model, inputs = _bart(0.15)
+    torch.manual_seed(3)  # a draw that skips layers (the search starts from any)
+    prof = profile(model, inputs, repeats=1)
+    assert prof.meta.random_skips and set(prof.meta.random_skips) <= set(LAYERS)
+    called = {c.module for c in prof.calls}
+    assert set(LAYERS) <= called
+    # the step profiled is the most memory any draw needs: no draw measures above it
+    predicted = simulate(prof).peak_bytes
+    peaks = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        peaks.append(measure(model, inputs, repeats=1).peak_bytes)
+    assert max(peaks) <= predicted * 1.001
+    assert min(peaks) < max(peaks)  # the draws do skip layers: memory moves
+
+
+def test_layerdrop_plan_holds_its_budget_on_every_draw():
+    model, inputs = _bart(0.15)
+    torch.manual_seed(3)
+    prof = profile(model, inputs, repeats=1)
+    none = simulate(prof).peak_bytes
+    budget = int(prof.fixed_bytes + 0.75 * (none - prof.fixed_bytes))
+    p = plan(model, budget_bytes=budget, example_inputs=inputs)
+    try:
+        assert p.schedule.regions
+        assert "skipped at random" in p.report()
+        peaks = []
+        for seed in range(8):
+            torch.manual_seed(seed)
+            peaks.append(p.measure(repeats=1).peak_bytes)
+        assert max(peaks) <= budget
+        assert p.predicted_peak_bytes == pytest.approx(max(peaks), rel=0.02)
+    finally:
+        remove(model)
+
+
+def test_layerdrop_that_no_draw_runs_in_full_is_refused_with_what_to_do():
+    model, inputs = _bart(0.9)  # every layer is skipped nine times in ten
+    torch.manual_seed(0)
+    with pytest.raises(ModelRunError, match="LayerDrop") as info:
+        profile(model, inputs, repeats=1)
+    assert "layerdrop" in str(info.value) and "model." in str(info.value)
+
+
+class _FirstTwo(nn.Module):
+    """Four layers built, two used: skipping that does not depend on the RNG."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 32))
+            for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = x + layer(x)
+        return x
+
+
+def test_layers_left_out_by_design_are_not_random_skips():
+    torch.manual_seed(0)
+    model, x = _FirstTwo().train(), torch.randn(64, 32)
+    prof = profile(model, x, repeats=1)
+    assert prof.meta.random_skips == []
+    assert simulate(prof).peak_bytes == pytest.approx(measure(model, x, repeats=1).peak_bytes,
+                                                      rel=0.005)
+
+
+def test_measure_measures_the_draw_the_callers_rng_gives():
+    """The measured step is the caller's draw, not the one after the warm-up step's."""
+    model, inputs = _bart(0.5)
+    peaks = {}
+    for seed in range(6):
+        torch.manual_seed(seed)
+        peaks[seed] = measure(model, inputs, repeats=1, warmup=1).peak_bytes
+        torch.manual_seed(seed)
+        assert measure(model, inputs, repeats=1, warmup=2).peak_bytes == peaks[seed]
+    assert len(set(peaks.values())) > 1
