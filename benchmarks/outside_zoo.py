@@ -183,6 +183,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "swin": _swin,
     "wav2vec2": _wav2vec2,
     "clip": _clip,
+    "mamba": _decoder("MambaConfig", "MambaForCausalLM", vocab_size=512, hidden_size=64,
+                      state_size=8, num_hidden_layers=3),
     "lstm": _lstm,
     "torch_transformer": _torch_transformer,
 }

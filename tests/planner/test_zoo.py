@@ -1,6 +1,6 @@
 """Models nobody on the team wrote, called the way people train them (`tests.zoo`): HF decoders with
 and without padded masks, an encoder, an encoder-decoder, vision models, PEFT LoRA, a top-2 MoE
-with data-dependent routing, value-dependent Python, a loss that takes targets; and the 17 families
+with data-dependent routing, value-dependent Python, a loss that takes targets; and the 18 families
 of `benchmarks/outside_zoo.py` (more decoders, encoders, Swin, Wav2Vec2, CLIP, LSTM, torch's own
 TransformerEncoder).
 
