@@ -26,7 +26,13 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from planner.capture.record import default_loss, end_of_autocast, split_inputs
+from planner.capture.record import (
+    default_loss,
+    end_of_autocast,
+    host_rng_state,
+    set_host_rng_state,
+    split_inputs,
+)
 
 __all__ = ["Measurement", "ddp_bucket_bytes", "fixed_bytes", "measure", "peak_of"]
 
@@ -137,11 +143,13 @@ def measure(
     amp = (dev.type, autocast) if autocast is not None else None
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(dev) if cuda else None
+    host_rng = host_rng_state()
 
     def same_draw() -> None:
         """Every step draws what the first did (dropout masks, LayerDrop's skips): the step
         measured is the one the caller's RNG state gives."""
         torch.random.set_rng_state(rng)
+        set_host_rng_state(host_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, dev)
 

@@ -26,6 +26,8 @@ import hashlib
 import inspect
 import json
 import operator
+import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -291,6 +293,7 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
             concrete[name] = p.default
     saved = dict(module.__dict__)
     tracer = _Tracer()
+    host_rng = _host_rng()
     try:
         module.training = pattern.training  # this module's flag only; children are calls
         with torch.no_grad():
@@ -302,7 +305,10 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
         for k in added:
             del module.__dict__[k]
         module.__dict__.update(saved)
-    if added:
+        drew = _drew(host_rng)
+    if added or drew:
+        # `drew`: the forward drew from Python's `random` or numpy's RNG (stochastic depth
+        # written in Python): a trace would fix one draw's branches for every call
         return None
     if sum(1 for n in graph.nodes if n.op == "placeholder") != len(sig.parameters):
         return None  # the trace flattened an argument: calls could not be bound to it
@@ -312,6 +318,24 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
         if n.op == "call_function" and n.target in (operator.setitem,):
             return None  # in-place Python writes into arguments
     return StagedGraph(pattern, graph, sig)
+
+
+def _host_rng() -> tuple[Any, Any]:
+    """Python's `random` state and numpy's global one (when numpy is loaded)."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), (np.random.get_state() if np is not None else None)
+
+
+def _drew(before: tuple[Any, Any]) -> bool:
+    """Whether either stream moved since `before`; puts both back."""
+    after = _host_rng()
+    moved = after[0] != before[0] or (
+        before[1] is not None and (after[1][2:] != before[1][2:]
+                                   or (after[1][1] != before[1][1]).any()))
+    random.setstate(before[0])
+    if before[1] is not None:
+        sys.modules["numpy"].random.set_state(before[1])
+    return bool(moved)
 
 
 def _resolves(module: torch.nn.Module, target: str) -> Any:

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import random
 import statistics
 import sys
 import time
@@ -58,10 +59,12 @@ __all__ = [
     "check_inputs",
     "default_loss",
     "end_of_autocast",
+    "host_rng_state",
     "is_view",
     "op_name",
     "record_step",
     "seeds_running_all",
+    "set_host_rng_state",
     "restoring",
     "run_step",
     "split_inputs",
@@ -850,17 +853,37 @@ def _watch_nodes(rec: _Recorder, root: Any) -> Iterator[None]:
             h.remove()
 
 
+def host_rng_state() -> tuple[Any, Any]:
+    """The state of the host's other random streams a model's Python may draw from (`random`,
+    and numpy's global one when numpy is loaded): torch's RNG state does not cover them."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), (np.random.get_state() if np is not None else None)
+
+
+def set_host_rng_state(state: tuple[Any, Any]) -> None:
+    random.setstate(state[0])
+    np = sys.modules.get("numpy")
+    if np is not None and state[1] is not None:
+        np.random.set_state(state[1])
+
+
 @contextlib.contextmanager
 def restoring(spec: StepSpec) -> Iterator[None]:
-    """Leave the model's buffers (BatchNorm statistics) and the RNG streams as they were."""
+    """Leave the model's buffers (BatchNorm statistics) and the RNG streams (torch's, Python's
+    `random`, numpy's) as they were; with `spec.seed`, seed all of them for the run."""
     saved = {k: v.detach().clone() for k, v in spec.buffers.items() if v.device.type != "meta"}
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    host = host_rng_state()
     with torch.random.fork_rng(devices=devices):
         if spec.seed is not None:
             torch.manual_seed(spec.seed)
+            random.seed(spec.seed)
+            if sys.modules.get("numpy") is not None:
+                sys.modules["numpy"].random.seed(spec.seed)
         try:
             yield
         finally:
+            set_host_rng_state(host)
             with torch.no_grad():
                 for k, v in saved.items():
                     spec.buffers[k].copy_(v)

@@ -5,6 +5,8 @@ recorded; a model whose draws never run them all gets an error that says what to
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import nn
@@ -110,3 +112,42 @@ def test_measure_measures_the_draw_the_callers_rng_gives():
         torch.manual_seed(seed)
         assert measure(model, inputs, repeats=1, warmup=2).peak_bytes == peaks[seed]
     assert len(set(peaks.values())) > 1
+
+
+class _PyDepth(nn.Module):
+    """Stochastic depth drawn from Python's `random`, not torch's RNG: each block is skipped
+    with probability 0.2 in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.training and random.random() < 0.2:
+                continue
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_skips_drawn_from_pythons_random_are_found_and_held():
+    torch.manual_seed(0)
+    model, x = _PyDepth().train(), torch.randn(256, 32)
+    random.seed(1)  # a draw that skips (the search seeds Python's random too)
+    prof = profile(model, x, repeats=1)
+    assert prof.meta.random_skips == [f"blocks.{i}" for i in range(4)]
+    none = simulate(prof).peak_bytes
+    budget = int(prof.fixed_bytes + 0.6 * (none - prof.fixed_bytes))
+    p = plan(model, budget_bytes=budget, example_inputs=x)
+    try:
+        peaks = []
+        for seed in range(10):
+            random.seed(seed)
+            peaks.append(p.measure(repeats=1).peak_bytes)
+        assert max(peaks) <= budget
+        assert min(peaks) < max(peaks)
+        assert p.predicted_peak_bytes == pytest.approx(max(peaks), rel=0.02)
+    finally:
+        remove(model)
