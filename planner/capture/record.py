@@ -941,9 +941,11 @@ def record_step(
     if _unreleased(rec):
         gc.collect()  # a full collection costs in proportion to the whole process's objects
     recording = _assemble(spec, rec, out_sids, loss_sid, grad_sids, input_shapes)
-    groups = _skipped_siblings(spec.model, rec.entered) if spec.seed is None and not fake else []
+    routed = _routing_modules(recording.ops)
+    groups = (_skipped_siblings(spec.model, rec.entered, routed)
+              if spec.seed is None and not fake else [])
     if groups:
-        found = _all_modules_seed(spec, groups, rec.entered)
+        found = _all_modules_seed(spec, groups, rec.entered, routed)
         if found is not None:
             recording = record_step(dataclasses.replace(spec, seed=found[0]), timing_repeats=
                                     timing_repeats, workspace=workspace, device=device,
@@ -964,12 +966,39 @@ RANDOM_SKIP_DRAWS = 64
 probability p over L layers runs them all with probability (1 - p) ** L: 0.28 at 0.1 over 12)."""
 
 
-def _skipped_siblings(model: torch.nn.Module, entered: set[str]) -> list[list[str]]:
+def _routing_modules(ops: list[OpRecord]) -> set[str]:
+    """Modules whose own forward decides by the values of the data (reads on the host, or
+    shapes set by values, of tensors computed from inputs or parameters) and never by a random
+    draw alone: MoE routers. LayerDrop's decision (``torch.rand([]) < p``, read on the host) is
+    a read of a value made from the RNG only; one made with Python's `random` reads nothing."""
+    kind: list[str] = []  # per record: "data", "rng" (random draws and constants only), "const"
+    by_data: set[str] = set()
+    by_rng: set[str] = set()
+    for r in ops:
+        if r.op == "placeholder":
+            kind.append("const" if r.module == "constant" else "data")
+            continue
+        got = {kind[i] for i in r.inputs if 0 <= i < len(kind)}
+        k = "data" if "data" in got else "rng" if r.random or "rng" in got else "const"
+        kind.append(k)
+        if r.phase == "forward" and r.dynamic:
+            (by_data if k == "data" else by_rng if k == "rng" else set()).add(r.module)
+    return by_data - by_rng
+
+
+def _skipped_siblings(model: torch.nn.Module, entered: set[str],
+                      routed: set[str] = frozenset()) -> list[list[str]]:
     """Groups of same-class children of one module (the layers of a `ModuleList`) of which the
     step called some but not all: LayerDrop skipped them, or a forward leaves them out by
-    design."""
+    design. Not where the module that calls them routes by value (`routed`: its own forward ran
+    ops whose output shapes depend on values): MoE experts no token chose, whose memory
+    `planner.plan`'s measured margin covers."""
     found = []
     for name, m in model.named_modules():
+        caller = name.rpartition(".")[0] if isinstance(m, torch.nn.ModuleList | torch.nn.ModuleDict) \
+            else name
+        if caller in routed:
+            continue
         groups: dict[type, list[str]] = {}
         for child, c in m.named_children():
             groups.setdefault(type(c), []).append(f"{name}.{child}" if name else child)
@@ -1013,8 +1042,8 @@ def seeds_running_all(spec: StepSpec, modules: list[str], count: int, first: int
     return seeds
 
 
-def _all_modules_seed(spec: StepSpec, groups: list[list[str]],
-                      entered: set[str]) -> tuple[int, list[str]] | None:
+def _all_modules_seed(spec: StepSpec, groups: list[list[str]], entered: set[str],
+                      routed: set[str]) -> tuple[int, list[str]] | None:
     """Where the recorded step skipped modules of `groups` that other random draws call
     (LayerDrop, stochastic depth by module), a seed whose draw calls every module the recorded
     one did and every module of `groups`: the step that needs the most memory; with the modules
@@ -1028,7 +1057,7 @@ def _all_modules_seed(spec: StepSpec, groups: list[list[str]],
         got = _entered(spec, seed)
         if got is None:
             continue
-        for g in _skipped_siblings(spec.model, got):
+        for g in _skipped_siblings(spec.model, got, routed):
             watched.update(g)  # another group some draw skips in
         if watched | entered <= got:
             return seed, sorted(watched)

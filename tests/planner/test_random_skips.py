@@ -151,3 +151,34 @@ def test_skips_drawn_from_pythons_random_are_found_and_held():
         assert p.predicted_peak_bytes == pytest.approx(max(peaks), rel=0.02)
     finally:
         remove(model)
+
+
+class _SparseMoE(nn.Module):
+    """Top-1 routing over 16 experts with 8 tokens, after dropout: most experts get no token,
+    and which ones changes with the dropout draw. Routing, not random skipping."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+        self.router = nn.Linear(32, 16)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(16))
+
+    def forward(self, x):
+        x = self.drop(x)
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = torch.nonzero(choice == e).flatten()
+            if idx.numel():
+                out = out.index_add(0, idx, expert(x[idx]))
+        return out
+
+
+def test_experts_no_token_chose_are_routing_not_random_skips():
+    torch.manual_seed(0)
+    model, x = _SparseMoE().train(), torch.randn(8, 32)
+    prof = profile(model, x, repeats=1)
+    assert prof.meta.random_skips == []
+    assert prof.meta.data_dependent_ops > 0
+    assert len({c.module for c in prof.calls} & {f"experts.{i}" for i in range(16)}) < 16
