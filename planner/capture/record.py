@@ -990,9 +990,8 @@ def _skipped_siblings(model: torch.nn.Module, entered: set[str],
                       routed: set[str] = frozenset()) -> list[list[str]]:
     """Groups of same-class children of one module (the layers of a `ModuleList`) of which the
     step called some but not all: LayerDrop skipped them, or a forward leaves them out by
-    design. Not where the module that calls them routes by value (`routed`: its own forward ran
-    ops whose output shapes depend on values): MoE experts no token chose, whose memory
-    `planner.plan`'s measured margin covers."""
+    design. Not where the module that calls them routes by value (`routed`, `_routing_modules`):
+    MoE experts no token chose, whose memory `planner.plan`'s measured margin covers."""
     found = []
     for name, m in model.named_modules():
         caller = name.rpartition(".")[0] if isinstance(m, torch.nn.ModuleList | torch.nn.ModuleDict) \
@@ -1048,14 +1047,16 @@ def _all_modules_seed(spec: StepSpec, groups: list[list[str]], entered: set[str]
     (LayerDrop, stochastic depth by module), a seed whose draw calls every module the recorded
     one did and every module of `groups`: the step that needs the most memory; with the modules
     seen skipped in some draw. None where the skipping does not depend on the RNG (a forward
-    that leaves a layer out by design); raises where it does and no draw of
-    `RANDOM_SKIP_DRAWS` calls all."""
+    that leaves a layer out by design) or the forward does not run without gradients; raises
+    where it does and no draw of `RANDOM_SKIP_DRAWS` calls all."""
     watched = {p for g in groups for p in g}
     skipped = sorted(watched - entered)
     seen_other = False
     for seed in range(RANDOM_SKIP_DRAWS):
         got = _entered(spec, seed)
         if got is None:
+            if seed == 0:
+                return None  # its forward does not run without gradients: cannot tell
             continue
         for g in _skipped_siblings(spec.model, got, routed):
             watched.update(g)  # another group some draw skips in
