@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from planner import compiled, inplace
-from planner.capture.record import default_loss, seeds_running_all, split_inputs
+from planner.capture.record import default_loss, seeded, seeds_running_all, split_inputs
 from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
@@ -483,12 +483,22 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
         return measure(module, example_inputs, loss_fn, repeats=2, warmup=0,
                        autocast=autocast).step_ms
 
+    # Where the model skips layers at random, a compiled step is measured on a draw that runs
+    # every layer the profile ran, as its eager peak is.
+    must = _must_run(prof)
+    draw = (seeds_running_all(step_spec(model, example_inputs, loss_fn, autocast), must, 1)
+            if must else [])
+
+    def peak(c: torch.nn.Module) -> int:
+        with seeded(draw[0] if draw else None):
+            return compiled_peak(c, example_inputs, loss_fn, autocast).peak_bytes
+
     restore: dict[str, Any] = {}
     compiled.raise_recompile_limit(restore)
     try:
         fits, tried = compiled.search(
             model, prof, target, backend=backend, eager_none=eager_none, solve_at=solve_at,
-            step=lambda c: compiled_peak(c, example_inputs, loss_fn, autocast).peak_bytes,
+            step=peak,
             time_step=time_step, memory_budgets=memory_budgets)
         if not fits:
             shown = ", ".join(f"{c.label(backend)} {format_bytes(c.peak_bytes)}"

@@ -63,6 +63,7 @@ __all__ = [
     "is_view",
     "op_name",
     "record_step",
+    "seeded",
     "seeds_running_all",
     "set_host_rng_state",
     "restoring",
@@ -868,22 +869,32 @@ def set_host_rng_state(state: tuple[Any, Any]) -> None:
 
 
 @contextlib.contextmanager
-def restoring(spec: StepSpec) -> Iterator[None]:
-    """Leave the model's buffers (BatchNorm statistics) and the RNG streams (torch's, Python's
-    `random`, numpy's) as they were; with `spec.seed`, seed all of them for the run."""
-    saved = {k: v.detach().clone() for k, v in spec.buffers.items() if v.device.type != "meta"}
+def seeded(seed: int | None) -> Iterator[None]:
+    """Put every random stream a step may draw from (torch's, CUDA's, Python's `random`,
+    numpy's) back as it was after the block; with `seed`, seed them all for it."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     host = host_rng_state()
     with torch.random.fork_rng(devices=devices):
-        if spec.seed is not None:
-            torch.manual_seed(spec.seed)
-            random.seed(spec.seed)
+        if seed is not None:
+            torch.manual_seed(seed)
+            random.seed(seed)
             if sys.modules.get("numpy") is not None:
-                sys.modules["numpy"].random.seed(spec.seed)
+                sys.modules["numpy"].random.seed(seed)
         try:
             yield
         finally:
             set_host_rng_state(host)
+
+
+@contextlib.contextmanager
+def restoring(spec: StepSpec) -> Iterator[None]:
+    """Leave the model's buffers (BatchNorm statistics) and the RNG streams (`seeded`) as they
+    were; with `spec.seed`, seed them for the run."""
+    saved = {k: v.detach().clone() for k, v in spec.buffers.items() if v.device.type != "meta"}
+    with seeded(spec.seed):
+        try:
+            yield
+        finally:
             with torch.no_grad():
                 for k, v in saved.items():
                     spec.buffers[k].copy_(v)

@@ -182,3 +182,32 @@ def test_experts_no_token_chose_are_routing_not_random_skips():
     assert prof.meta.random_skips == []
     assert prof.meta.data_dependent_ops > 0
     assert len({c.module for c in prof.calls} & {f"experts.{i}" for i in range(16)}) < 16
+
+
+@pytest.mark.slow
+def test_layerdrop_compiled_plan_holds_its_budget_on_every_draw():
+    """Under `plan(compile=...)` the compiled candidates are measured on a draw that runs every
+    layer; measured on the caller's draw (which skipped some), the compiled step peaked 10% over
+    the budget on draws that run them all."""
+    model, inputs = _bart(0.15)
+    torch.manual_seed(3)
+    prof = profile(model, inputs, repeats=1)
+    none = simulate(prof).peak_bytes
+    budget = int(prof.fixed_bytes + 0.75 * (none - prof.fixed_bytes))
+    torch.manual_seed(3)
+    p = plan(model, budget_bytes=budget, example_inputs=inputs, compile="aot_eager",
+             compile_memory_budgets=(1.0,))
+    limits = (torch._dynamo.config.cache_size_limit, torch._dynamo.config.recompile_limit)
+    torch._dynamo.config.cache_size_limit = torch._dynamo.config.recompile_limit = 64
+    try:
+        compiled = torch.compile(model, backend=p.compile_backend)
+        peaks = []
+        for seed in range(8):
+            torch.manual_seed(seed)
+            peaks.append(measure(compiled, inputs, repeats=1).peak_bytes)
+    finally:
+        torch._dynamo.config.cache_size_limit, torch._dynamo.config.recompile_limit = limits
+        torch._dynamo.reset()
+        remove(model)
+    assert max(peaks) <= budget, (peaks, budget)
+    assert min(peaks) < max(peaks)
