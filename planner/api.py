@@ -248,7 +248,8 @@ class Plan:
         gradients (allclose), measured peak against predicted and against the budget. Raises
         AssertionError on a mismatch and PlanNotEffectiveError if the plan has regions but the
         measured peak is not below the unplanned one. The model's parameters, buffers and RNG are
-        left as they were, and the plan stays applied."""
+        left as they were, and the plan stays applied. Where the model skips layers at random,
+        on a draw that runs every layer the profile ran."""
         model, planned = self.module, unwrap(self.module)
         if applied(planned) is None or applied(planned).schedule is not self.schedule:
             raise CkptPlannerError("this plan is no longer applied to its model; re-plan")
@@ -261,11 +262,17 @@ class Plan:
             finally:
                 apply_schedule(planned, self.schedule)
 
-        return verify_against(unplanned, contextlib.nullcontext(model), self.example_inputs,
-                              self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
-                              atol=atol, repeats=repeats, autocast=self.autocast,
-                              predicted_peak_bytes=self.predicted_peak_bytes_now(),
-                              optimizer=self.optimizer)
+        # Where the model skips layers at random, peaks are measured on a draw that runs every
+        # layer the profile ran: the draw the prediction is for.
+        must = _must_run(self.profile)
+        draw = (seeds_running_all(step_spec(planned, self.example_inputs, self.loss_fn,
+                                            self.autocast), must, 1) if must else [])
+        with seeded(draw[0]) if draw else contextlib.nullcontext():
+            return verify_against(unplanned, contextlib.nullcontext(model), self.example_inputs,
+                                  self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
+                                  atol=atol, repeats=repeats, autocast=self.autocast,
+                                  predicted_peak_bytes=self.predicted_peak_bytes_now(),
+                                  optimizer=self.optimizer)
 
     def predicted_peak_bytes_now(self) -> int:
         """The predicted peak of the model as it is wrapped now: per rank once DDP wraps it or
@@ -362,8 +369,7 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
     params = dict(owner.named_parameters())
     state = copy.deepcopy({k: v.detach() for k, v in owner.state_dict().items()})
     old = {k: p.grad for k, p in params.items()}
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
+    with seeded(0):
         for p in params.values():
             p.grad = None
         device = next((p.device.type for p in params.values()), "cpu")

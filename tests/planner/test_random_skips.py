@@ -211,3 +211,27 @@ def test_layerdrop_compiled_plan_holds_its_budget_on_every_draw():
         remove(model)
     assert max(peaks) <= budget, (peaks, budget)
     assert min(peaks) < max(peaks)
+
+
+@pytest.mark.parametrize("build", ["bart", "python_random"])
+def test_verify_compares_the_draw_the_plan_is_for(build):
+    """`Plan.verify` on a model that skips layers at random: the same gradients with and without
+    the plan (both draws seeded alike, Python's `random` included), and the peak measured on a
+    draw that runs every layer, which is what the prediction is for."""
+    if build == "bart":
+        model, x = _bart(0.15)
+    else:
+        torch.manual_seed(0)
+        model, x = _PyDepth().train(), torch.randn(256, 32)
+    torch.manual_seed(3)
+    random.seed(1)
+    prof = profile(model, x, repeats=1)
+    none = simulate(prof).peak_bytes
+    p = plan(model, budget_bytes=int(prof.fixed_bytes + 0.6 * (none - prof.fixed_bytes)),
+             example_inputs=x)
+    try:
+        v = p.verify(repeats=1)
+    finally:
+        remove(model)
+    assert v.max_grad_rel_err <= 1e-5
+    assert v.measured_peak_bytes == pytest.approx(v.predicted_peak_bytes, rel=0.02)
