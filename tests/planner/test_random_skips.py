@@ -104,16 +104,17 @@ def test_layers_left_out_by_design_are_not_random_skips():
 
 def test_measure_measures_the_draw_the_callers_rng_gives():
     """The measured step is the caller's draw, not the one after the warm-up step's: with one
-    warm-up step or two, the same peak (to the few hundred bytes the allocator's events vary
-    by), while draws that skip other layers differ by a layer's activations (tens of KiB)."""
+    warm-up step or two, the same peak (to 64 KiB: in one CI run a step measured 32 KiB apart
+    from its repeat), while draws that skip other layers differ by 116 KiB or more here."""
     model, inputs = _bart(0.5)
     peaks = {}
     for seed in range(6):
         torch.manual_seed(seed)
         peaks[seed] = measure(model, inputs, repeats=1, warmup=1).peak_bytes
         torch.manual_seed(seed)
-        assert abs(measure(model, inputs, repeats=1, warmup=2).peak_bytes - peaks[seed]) <= 1024
-    assert max(peaks.values()) - min(peaks.values()) > 16 * 1024
+        assert abs(measure(model, inputs, repeats=1, warmup=2).peak_bytes - peaks[seed]) \
+            <= 64 * 1024
+    assert max(peaks.values()) - min(peaks.values()) > 256 * 1024
 
 
 class _PyDepth(nn.Module):
