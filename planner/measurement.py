@@ -161,11 +161,11 @@ def measure(
             same_draw()
         _zero_grads(module)
         fixed = fixed_bytes(module, example_inputs, optimizer)
-        # What reference cycles hold (the warm-up's, the caller's) is freed now, not at a
-        # collection the measured step's allocations happen to trigger: a free of memory
-        # allocated before the profiler started would lower its running sum. The step's own
-        # cycles then live to its end, as the profile has them.
-        gc.collect()
+        # No collection during the measured step: one its allocations happen to trigger could
+        # free what reference cycles hold from before the profiler started (the warm-up's, the
+        # caller's), lowering the running sum, or the step's own cycles, which the profile keeps
+        # to the step's end. (A full collection here instead costs as much as the whole
+        # process's objects, on every call.)
         collecting = gc.isenabled()
         gc.disable()
         try:
