@@ -104,8 +104,8 @@ def test_layers_left_out_by_design_are_not_random_skips():
 
 def test_measure_measures_the_draw_the_callers_rng_gives():
     """The measured step is the caller's draw, not the one after the warm-up step's: with one
-    warm-up step or two, the same peak (to 64 KiB: in one CI run a step measured 32 KiB apart
-    from its repeat), while draws that skip other layers differ by 113 KiB or more here."""
+    warm-up step or two, the same peak (within 64 KiB, for the allocator events' noise), while
+    draws that skip other layers differ by a layer's activations."""
     model, inputs = _bart(0.5)
     peaks = {}
     for seed in range(6):
@@ -190,8 +190,8 @@ def test_experts_no_token_chose_are_routing_not_random_skips():
 @pytest.mark.slow
 def test_layerdrop_compiled_plan_holds_its_budget_on_every_draw():
     """Under `plan(compile=...)` the compiled candidates are measured on a draw that runs every
-    layer; measured on the caller's draw (which skipped some), the compiled step peaked 10% over
-    the budget on draws that run them all."""
+    layer; measured on the caller's draw (which skipped some), the compiled step peaked over the
+    budget on draws that run them all."""
     model, inputs = _bart(0.15)
     torch.manual_seed(3)
     prof = profile(model, inputs, repeats=1)
