@@ -272,7 +272,7 @@ class Plan:
                                   self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
                                   atol=atol, repeats=repeats, autocast=self.autocast,
                                   predicted_peak_bytes=self.predicted_peak_bytes_now(),
-                                  optimizer=self.optimizer)
+                                  optimizer=self.optimizer, held_bytes=self.profile.held_bytes)
 
     def predicted_peak_bytes_now(self) -> int:
         """The predicted peak of the model as it is wrapped now: per rank once DDP wraps it or
@@ -292,7 +292,8 @@ class Plan:
         `predicted_peak_bytes_now`). With the optimizer's step when the plan was made with one,
         as its prediction; the model and optimizer are left as they were."""
         return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats,
-                       autocast=self.autocast, optimizer=self.optimizer)
+                       autocast=self.autocast, optimizer=self.optimizer,
+                       held_bytes=self.profile.held_bytes)
 
 
 def region_label(r: Region) -> str:
@@ -314,20 +315,22 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
                    planned_params: torch.nn.Module | None = None,
                    autocast: torch.dtype | None = None,
                    predicted_peak_bytes: int | None = None,
-                   optimizer: torch.optim.Optimizer | None = None) -> Verification:
+                   optimizer: torch.optim.Optimizer | None = None,
+                   held_bytes: int = 0) -> Verification:
     """Compare one training step of the unplanned model (`reference`, a context that yields it)
     with the planned one (`planned`): loss, gradients, measured peak and time. The planned
     module's gradients are read from `planned_params` where it wraps the model (graph plans).
-    Peaks and times are measured with `optimizer`'s step where the plan counts one."""
+    Peaks and times are measured with `optimizer`'s step where the plan counts one, and count
+    `held_bytes` (`Profile.held_bytes`) in fixed memory."""
     loss_fn = loss_fn or default_loss
     with (reference() if callable(reference) else reference) as ref:
         l0, g0 = _one_step(ref, example_inputs, loss_fn, autocast=autocast)
         m0 = measure(ref, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
-                     optimizer=optimizer)
+                     optimizer=optimizer, held_bytes=held_bytes)
     with planned as mod:
         l1, g1 = _one_step(mod, example_inputs, loss_fn, planned_params, autocast)
         m1 = measure(mod, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
-                     optimizer=optimizer)
+                     optimizer=optimizer, held_bytes=held_bytes)
     if not torch.allclose(l0, l1, rtol=rtol, atol=atol):
         raise AssertionError(f"loss differs: original {l0.item()} vs planned {l1.item()}")
     worst = 0.0
@@ -410,7 +413,7 @@ def _must_run(prof: Profile) -> list[str] | None:
 def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_fn,
            autocast: torch.dtype | None,
            optimizer: torch.optim.Optimizer | None = None,
-           must_run: list[str] | None = None) -> list[int]:
+           must_run: list[str] | None = None, held_bytes: int = 0) -> list[int]:
     """The planned step's measured peak on the example and each other batch, or on other random
     draws of the example: how much a value-dependent model's memory moves from batch to batch.
     With the optimizer's state and step, as the plan's budget counts them (restored after).
@@ -426,14 +429,15 @@ def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_f
         with torch.random.fork_rng():
             torch.manual_seed(seeds[k % len(seeds)])
             peaks.append(measure(model, batch, loss_fn, optimizer=optimizer, repeats=1,
-                                 autocast=autocast).peak_bytes)
+                                 autocast=autocast, held_bytes=held_bytes).peak_bytes)
     return peaks
 
 
 def compiled_peak(module: torch.nn.Module, example_inputs: Any, loss_fn,
-                  autocast: torch.dtype | None = None) -> Measurement:
+                  autocast: torch.dtype | None = None, held_bytes: int = 0) -> Measurement:
     """One measured step of a compiled model (a copy of the user's, `planner.compiled`)."""
-    return measure(module, example_inputs, loss_fn, repeats=1, autocast=autocast)
+    return measure(module, example_inputs, loss_fn, repeats=1, autocast=autocast,
+                   held_bytes=held_bytes)
 
 
 def solve_within(profile: Profile, budget_bytes: int, method: str = "auto",
@@ -497,7 +501,8 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
 
     def peak(c: torch.nn.Module) -> int:
         with seeded(draw[0] if draw else None):
-            return compiled_peak(c, example_inputs, loss_fn, autocast).peak_bytes
+            return compiled_peak(c, example_inputs, loss_fn, autocast,
+                                 prof.held_bytes).peak_bytes
 
     restore: dict[str, Any] = {}
     compiled.raise_recompile_limit(restore)
@@ -742,7 +747,7 @@ def plan(
         # Memory that moves from batch to batch is kept free below the compiled budget: the
         # spread of the (eager) planned step's peak over other batches or random draws.
         peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer,
-                       _must_run(prof)) \
+                       _must_run(prof), prof.held_bytes) \
             if moves else [0]
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
                           time_limit_s, compile_memory_budgets, spread(peaks))
@@ -754,7 +759,7 @@ def plan(
         margin = 0
         for _ in range(MARGIN_ROUNDS):
             peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer,
-                           _must_run(prof))
+                           _must_run(prof), prof.held_bytes)
             need = (p.rank_offset_bytes() + max(peaks)
                     + (max(peaks) - min(peaks) if prof.meta.data_dependent_ops else 0)
                     - (budget - SLACK_BYTES))

@@ -460,7 +460,7 @@ class _Entry:
 
 
 def _measure_entry(e: _Entry, model: torch.nn.Module, example_inputs, loss_fn,
-                   inner: int) -> None:
+                   inner: int, held_bytes: int = 0) -> None:
     import torch._functorch.config as fc
 
     if e.schedule is not None:
@@ -468,9 +468,10 @@ def _measure_entry(e: _Entry, model: torch.nn.Module, example_inputs, loss_fn,
     try:
         if e.compile_budget is not None:
             with fc.patch(activation_memory_budget=e.compile_budget):
-                m = measure(e.module, example_inputs, loss_fn, repeats=inner)
+                m = measure(e.module, example_inputs, loss_fn, repeats=inner,
+                            held_bytes=held_bytes)
         else:
-            m = measure(e.module, example_inputs, loss_fn, repeats=inner)
+            m = measure(e.module, example_inputs, loss_fn, repeats=inner, held_bytes=held_bytes)
     finally:
         if e.schedule is not None:
             remove(model)
@@ -590,10 +591,11 @@ def compare(
         return e
 
     def measure_entry(e: _Entry) -> None:
-        _measure_entry(e, model, example_inputs, loss_fn, inner_repeats)
+        _measure_entry(e, model, example_inputs, loss_fn, inner_repeats, prof.held_bytes)
 
     def step_peak(module: torch.nn.Module) -> int:
-        return measure(module, example_inputs, loss_fn, repeats=1).peak_bytes
+        return measure(module, example_inputs, loss_fn, repeats=1,
+                       held_bytes=prof.held_bytes).peak_bytes
 
     def time_step(module: torch.nn.Module) -> float:
         return measure(module, example_inputs, loss_fn, repeats=inner_repeats, warmup=0).step_ms

@@ -51,7 +51,8 @@ class Measurement:
     step_ms_all: tuple[float, ...] = ()
     """Every timed step, for the spread."""
     fixed_bytes: int = 0
-    """Parameters, buffers, inputs (and optimizer state) held before the step."""
+    """Parameters, buffers, inputs (and optimizer state, and ``held_bytes``) held before the
+    step."""
 
 
 def _storages_bytes(tensors: list[torch.Tensor]) -> int:
@@ -120,6 +121,7 @@ def measure(
     warmup: int = 1,
     restore: bool = True,
     autocast: torch.dtype | None = None,
+    held_bytes: int = 0,
 ) -> Measurement:
     """Measure one training step of `module` (peak and retained memory, median step time).
 
@@ -127,6 +129,9 @@ def measure(
     optimizer's state are put back afterwards, so measuring does not train the model (the
     optimizer's state is kept on the host meanwhile, so that the copy costs no device memory).
     With `autocast` a dtype, forward and loss run under ``torch.autocast``, backward outside it.
+    `held_bytes`: tensors the model holds outside its parameters and buffers that the step reads
+    (a cache: `Profile.held_bytes`), counted in fixed memory as a profile counts them; nothing
+    here can find them.
     """
     loss_fn = loss_fn or default_loss
     args, kwargs = split_inputs(example_inputs)
@@ -160,7 +165,7 @@ def measure(
             _step(module, args, kwargs, loss_fn, optimizer, None, amp)
             same_draw()
         _zero_grads(module)
-        fixed = fixed_bytes(module, example_inputs, optimizer)
+        fixed = fixed_bytes(module, example_inputs, optimizer) + held_bytes
         # No collection during the measured step: one its allocations happen to trigger could
         # free what reference cycles hold from before the profiler started (the warm-up's, the
         # caller's), lowering the running sum, or the step's own cycles, which the profile keeps

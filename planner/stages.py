@@ -278,7 +278,9 @@ def _execute(node: fx.Node, env: dict, module: torch.nn.Module) -> Any:
 
 def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
     """The module's forward traced for `pattern`, or None where symbolic tracing fails or the
-    trace would change the module (it made tensor constants, or set attributes)."""
+    forward changes the module (sets an attribute, makes a tensor constant, or writes into a
+    dict, list or set it holds, as a cache filled on first use does): the traced code would not
+    make that change when it runs in place of the forward. The module is put back as it was."""
     concrete = {k: v for k, v in pattern.args if v != _TENSOR}
     sig = _signature(module)
     if sig is None:
@@ -292,8 +294,9 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
                 return None
             concrete[name] = p.default
     saved = dict(module.__dict__)
+    held = {k: c for k, c in ((k, _contents(v)) for k, v in saved.items()) if c is not None}
     tracer = _Tracer()
-    host_rng = _host_rng()
+    host_rng = host_rng_state()
     try:
         module.training = pattern.training  # this module's flag only; children are calls
         with torch.no_grad():
@@ -304,9 +307,11 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
         added = set(module.__dict__) - set(saved)
         for k in added:
             del module.__dict__[k]
+        rebound = [k for k, v in saved.items() if module.__dict__[k] is not v]
         module.__dict__.update(saved)
+        written = [k for k, c in held.items() if _put_back(saved[k], c)]
         drew = _drew(host_rng)
-    if added or drew:
+    if added or rebound or written or drew:
         # `drew`: the forward drew from Python's `random` or numpy's RNG (stochastic depth
         # written in Python): a trace would fix one draw's branches for every call
         return None
@@ -320,21 +325,54 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
     return StagedGraph(pattern, graph, sig)
 
 
-def _host_rng() -> tuple[Any, Any]:
-    """Python's `random` state and numpy's global one (when numpy is loaded)."""
+def _contents(v: Any) -> list | None:
+    """What a dict (its items), list or set attribute holds, to compare after a trace."""
+    if isinstance(v, dict):
+        return list(v.items())
+    if isinstance(v, list | set):
+        return list(v)
+    return None
+
+
+def _put_back(v: Any, before: list) -> bool:
+    """Whether the container `v` holds other objects than `before` (compared by identity);
+    if so, puts `before` back."""
+    now = _contents(v)
+    if now is not None and len(now) == len(before) and all(
+            (a[0] is b[0] and a[1] is b[1]) if isinstance(v, dict) else a is b
+            for a, b in zip(now, before, strict=True)):
+        return False
+    v.clear()
+    if isinstance(v, dict):
+        v.update(before)
+    elif isinstance(v, list):
+        v.extend(before)
+    else:
+        v.update(before)
+    return True
+
+
+def host_rng_state() -> tuple[Any, Any]:
+    """The state of the host's other random streams a model's Python may draw from (`random`,
+    and numpy's global one when numpy is loaded): torch's RNG state does not cover them."""
     np = sys.modules.get("numpy")
     return random.getstate(), (np.random.get_state() if np is not None else None)
 
 
+def set_host_rng_state(state: tuple[Any, Any]) -> None:
+    random.setstate(state[0])
+    np = sys.modules.get("numpy")
+    if np is not None and state[1] is not None:
+        np.random.set_state(state[1])
+
+
 def _drew(before: tuple[Any, Any]) -> bool:
     """Whether either stream moved since `before`; puts both back."""
-    after = _host_rng()
+    after = host_rng_state()
     moved = after[0] != before[0] or (
         before[1] is not None and (after[1][2:] != before[1][2:]
                                    or (after[1][1] != before[1][1]).any()))
-    random.setstate(before[0])
-    if before[1] is not None:
-        sys.modules["numpy"].random.set_state(before[1])
+    set_host_rng_state(before)
     return bool(moved)
 
 

@@ -250,6 +250,15 @@ class Profile:
         return self.phase_bytes("input")
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes of tensors the step reads that the model holds outside its parameters and
+        buffers (a cached position index or mask, a tensor attribute): counted in
+        `buffer_bytes`, as they are held before the step; `planner.measure` cannot see them
+        and takes them as ``held_bytes``."""
+        return sum(self.storage_bytes[s] for n in self.nodes
+                   if n.phase == "buffer" and n.module == "constant" for s in n.new_storages)
+
+    @property
     def fixed_bytes(self) -> int:
         """Memory held before the step starts: parameters, buffers, inputs, optimizer state."""
         return self.param_bytes + self.buffer_bytes + self.input_bytes + self.optimizer_state_bytes

@@ -8,9 +8,11 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   after the later of: its last reader; the node after which the model's own code dropped its last
   reference (`Node.releases`, recorded by running the step: a local variable holds a tensor until
   the function returns); the end of the backward of every autograd node that saved it (its last
-  op, as backward formulas free their temporaries when they return; a custom Function's Python
-  backward frees them at their last use, `Node.python_backward`); the end of the step for the
-  loss and parameter gradients.
+  op); the end of the step for the loss and parameter gradients. A backward op's temporaries die
+  where the recorded step saw them die (`Node.releases`: at the end of the C++ statement that
+  made them, or at their last use in a custom Function's Python backward); in a profile without
+  that record (a graph profile), when the formula returns, or at their last use in a Python
+  backward (`Node.python_backward`).
 - A checkpointed region keeps its arguments (the checkpoint frame holds them) until the last of
   its autograd nodes has run backward: the tensors its ops read from outside, and whatever the
   call's arguments reach (`ModuleCall.holds`). Tensors its ops would save are not kept, except
@@ -587,10 +589,12 @@ def _original_ends(g, regs: list[_Reg]) -> list[int]:
     # Held by the model's code beyond its last reader.
     np.maximum(last, a.release, out=last)
     last[a.persist] = g.end  # the loss and parameter gradients
-    # A backward formula runs in C++: temporaries it creates live until the formula returns, so
-    # storages made by one autograd node's backward die no earlier than its last op (not so for
-    # a custom Function's Python backward, whose temporaries Python frees at their last use).
-    np.maximum(last, np.where(last >= 0, a.formula_end, -1), out=last)
+    # Where the profile did not see a backward temporary die (a graph profile), it lives until
+    # its formula returns: a C++ formula frees its temporaries no later than that (a custom
+    # Function's Python backward frees them at their last use). A recorded step saw each die,
+    # often sooner: at the end of the statement that made it (DivBackward's `-grad * (a / b) / b`
+    # frees three before it computes the other input's gradient).
+    np.maximum(last, np.where((last >= 0) & (a.release < 0), a.formula_end, -1), out=last)
     # Saved by an op outside any region: kept until its backward ran.
     out = region_node[a.save_node] < 0
     np.maximum.at(last, a.save_storage[out], a.save_end[out])

@@ -47,7 +47,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from planner.stages import call_pattern, stageable, trace
+from planner.stages import call_pattern, host_rng_state, set_host_rng_state, stageable, trace
 from solvers.errors import CkptPlannerError
 
 __all__ = [
@@ -623,12 +623,14 @@ class _Recorder(TorchDispatchMode):
     # -- saved tensors ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
         """Autograd saves `t` for the node being created (sequence number - 1): keep a copy, so
-        that the original storage lives only as long as the model's own references do."""
+        that the original storage lives only as long as the model's own references do. An input
+        is saved before its op runs: one from before the step that no op has read yet (a tensor
+        the model keeps) becomes its constant placeholder here, so that the backward's reads of
+        the copy are reads of it."""
         self.suspended += 1
         try:
-            sid = self.sid_of.get(id(t.untyped_storage()))
-            if sid is not None:
-                self.packs.append((torch.autograd._get_sequence_nr() - 1, sid))
+            sid = self.sid(t)
+            self.packs.append((torch.autograd._get_sequence_nr() - 1, sid))
             if t.device.type == "cuda":
                 copy = t.detach().to("cpu")
             else:
@@ -854,20 +856,6 @@ def _watch_nodes(rec: _Recorder, root: Any) -> Iterator[None]:
             h.remove()
 
 
-def host_rng_state() -> tuple[Any, Any]:
-    """The state of the host's other random streams a model's Python may draw from (`random`,
-    and numpy's global one when numpy is loaded): torch's RNG state does not cover them."""
-    np = sys.modules.get("numpy")
-    return random.getstate(), (np.random.get_state() if np is not None else None)
-
-
-def set_host_rng_state(state: tuple[Any, Any]) -> None:
-    random.setstate(state[0])
-    np = sys.modules.get("numpy")
-    if np is not None and state[1] is not None:
-        np.random.set_state(state[1])
-
-
 @contextlib.contextmanager
 def seeded(seed: int | None) -> Iterator[None]:
     """Put every random stream a step may draw from (torch's, CUDA's, Python's `random`,
@@ -898,6 +886,20 @@ def restoring(spec: StepSpec) -> Iterator[None]:
             with torch.no_grad():
                 for k, v in saved.items():
                     spec.buffers[k].copy_(v)
+
+
+def _warm_up(spec: StepSpec) -> None:
+    """One unrecorded step first, so that the recorded one is a step of training and not its
+    first call: what a model computes once and keeps (an `lru_cache`d position index, as BEiT's
+    relative position bias; a lazily built buffer) then exists before the recorded step, held
+    beside the weights as it is in every later step, instead of being counted as the step's own
+    memory. Buffers and random streams are put back (`restoring`), and `run_step` takes
+    gradients with `torch.autograd.grad`, so parameters' ``.grad`` are not touched."""
+    try:
+        with restoring(spec):
+            run_step(spec, None, hooks=False)
+    except Exception:  # noqa: BLE001 - the recorded run raises it again, with where it happened
+        pass
 
 
 def _where(rec: _Recorder, e: BaseException) -> str:
@@ -936,6 +938,8 @@ def record_step(
             key = pytree.keystr(path)
             input_shapes[key] = list(leaf.shape)
             rec.register_fixed("input", f"input{key}", leaf)
+    if not fake:
+        _warm_up(spec)
     with restoring(spec):
         try:
             with rec:

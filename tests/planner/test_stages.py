@@ -185,6 +185,40 @@ def test_code_tracing_cannot_see_gives_no_stages():
     assert_grads_close(g0, g1)
 
 
+class _Stateful(nn.Module):
+    """A forward that changes the module: fills a cache on first use, logs its calls, counts them."""
+
+    def __init__(self, write: str):
+        super().__init__()
+        self.a, self.write = nn.Linear(4, 4), write
+        self.memo: dict = {}
+        self.log: list = []
+        self.calls = 0
+
+    def forward(self, x):
+        n = x.shape[0]
+        if self.write == "dict" and n not in self.memo:
+            self.memo[n] = torch.arange(n)
+        if self.write == "list":
+            self.log.append(n)
+        if self.write == "counter":
+            self.calls += 1
+        return self.a(x) * 2
+
+
+@pytest.mark.parametrize("write", ["dict", "list", "counter"])
+def test_a_forward_that_changes_its_module_is_not_traced_and_left_as_it_was(write):
+    """The traced code would not make the change when it runs in place of the forward (and
+    tracing it would leave proxies in the cache): no stages, and the module as it was."""
+    m, x = _Stateful(write), torch.randn(3, 4)
+    m(x)
+    before = (dict(m.memo), list(m.log), m.calls)
+    assert trace(m, call_pattern(m, (x,), {})) is None
+    assert (m.memo, m.log, m.calls) == before
+    assert all(type(k) is int for k in m.memo)
+    assert trace(_Stateful("none"), call_pattern(m, (x,), {})) is not None
+
+
 def test_trace_fixes_non_tensor_arguments_and_checks_them():
     class M(nn.Module):
         def __init__(self):
