@@ -63,6 +63,40 @@ def _swin() -> Case:
                 "vision")
 
 
+def _beit() -> Case:
+    """Relative position bias from an index the model builds on first use and keeps in an
+    `lru_cache`, layer scale, drop path; 16x16 images resample the bias table."""
+    from transformers import BeitConfig, BeitForImageClassification
+
+    torch.manual_seed(0)
+    config = BeitConfig(image_size=32, patch_size=4, hidden_size=64, num_hidden_layers=3,
+                        num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=P,
+                        attention_probs_dropout_prob=P, drop_path_rate=P,
+                        use_relative_position_bias=True, num_labels=10)
+    return Case(BeitForImageClassification(config).train(), _images(2, 32), None,
+                _images(1, 16, interpolate_pos_encoding=True), "vision")
+
+
+def _led() -> Case:
+    """Longformer's local attention in an encoder-decoder (the source padded to its window)."""
+    from transformers import LEDConfig, LEDForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = LEDConfig(vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2,
+                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                       decoder_ffn_dim=128, max_encoder_position_embeddings=64,
+                       max_decoder_position_embeddings=64, attention_window=[8, 8], dropout=P)
+
+    def batch(rows: int, src: int, tgt: int) -> dict[str, Any]:
+        real = torch.arange(src) < torch.tensor([src - 5 * i for i in range(rows)])[:, None]
+        return {"input_ids": torch.randint(3, 512, (rows, src)).masked_fill(~real, 1),
+                "attention_mask": real.long(), "labels": torch.randint(3, 512, (rows, tgt)),
+                "use_cache": False}
+
+    return Case(LEDForConditionalGeneration(config).train(), batch(2, 32, 16), None,
+                batch(1, 16, 8), "encoder-decoder")
+
+
 def _wav2vec2() -> Case:
     """CTC on raw audio: a convolutional front end, a weight-normed positional convolution."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
@@ -180,7 +214,24 @@ CASES: dict[str, Callable[[], Case]] = {
                            embedding_size=32, hidden_size=64, num_hidden_layers=3,
                            intermediate_size=128, num_attention_heads=4, hidden_dropout_prob=P,
                            attention_probs_dropout_prob=P),
+    "deberta": _classifier("DebertaConfig", "DebertaForSequenceClassification", vocab_size=512,
+                           hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                           intermediate_size=128, hidden_dropout_prob=P,
+                           attention_probs_dropout_prob=P, max_position_embeddings=64),
+    "modernbert": _classifier("ModernBertConfig", "ModernBertForSequenceClassification",
+                              vocab_size=512, hidden_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, intermediate_size=128, pad_token_id=0,
+                              max_position_embeddings=64, attention_dropout=P, mlp_dropout=P,
+                              embedding_dropout=P),
+    "jamba": _decoder("JambaConfig", "JambaForCausalLM", vocab_size=512, hidden_size=64,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                      attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                      expert_layer_offset=1, mamba_d_state=8, mamba_expand=2,
+                      use_mamba_kernels=False, attention_dropout=P),
     "swin": _swin,
+    "beit": _beit,
+    "led": _led,
     "wav2vec2": _wav2vec2,
     "clip": _clip,
     "mamba": _decoder("MambaConfig", "MambaForCausalLM", vocab_size=512, hidden_size=64,

@@ -1,7 +1,7 @@
 """Models nobody on the team wrote, called the way people train them (`tests.zoo`): HF decoders with
 and without padded masks, an encoder, an encoder-decoder, vision models, PEFT LoRA, a top-2 MoE
-with data-dependent routing, value-dependent Python, a loss that takes targets; and the 18 families
-of `benchmarks/outside_zoo.py` (more decoders, encoders, Swin, Wav2Vec2, CLIP, LSTM, torch's own
+with data-dependent routing, value-dependent Python, a loss that takes targets; and the 23 families
+of `benchmarks/outside_zoo.py` (more decoders, encoders, Swin, BEiT, Wav2Vec2, CLIP, LSTM, torch's own
 TransformerEncoder).
 
 Each is profiled once and planned at 0.75, 0.5 and 0.3 x its activation memory above the fixed
