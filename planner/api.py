@@ -36,7 +36,7 @@ from planner.capture.record import default_loss, seeded, seeds_running_all, spli
 from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
-from planner.profiling import profile, step_spec
+from planner.profiling import CHECK_TOLERANCE, profile, step_spec
 from solvers.distributed import per_rank
 from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
@@ -205,6 +205,12 @@ class Plan:
             shown = "; ".join(f"{c.module or '(root)'}: {c.blocker}" for c in blocked[:5])
             more = f" (and {len(blocked) - 5} more)" if len(blocked) > 5 else ""
             lines.append(f"modules that cannot be regions: {shown}{more}")
+        checked = p.meta.measured_peak_bytes
+        unplanned = simulate(p).peak_bytes
+        if checked and abs(unplanned - checked) > CHECK_TOLERANCE * checked:
+            lines.append(f"WARNING: the profiled step predicts {format_bytes(unplanned)} without "
+                         f"checkpointing but measured {format_bytes(checked)}: the recording "
+                         "missed something this model does; verify the plan (plan.verify())")
         if p.meta.data_dependent_ops:
             lines.append(f"value-dependent shapes ({p.meta.data_dependent_ops} ops, e.g. MoE "
                          f"routing): planned {format_bytes(self.margin_bytes)} below the budget, "

@@ -39,9 +39,14 @@ def call_blockers(rec: Recording) -> list[str]:
     - A tensor made inside the call and stored into an object the call was given (an HF
       ``DynamicCache`` under ``use_cache=True``, a list collecting hidden states): the replay
       would store it again.
+    - A module buffer updated in place and read again later in the call (spectral norm's power
+      iteration): the replay runs on copies of the buffers as forward left them, so it would
+      start from the updated value and compute another weight. (BatchNorm reads its statistics
+      in the op that updates them, and its output does not depend on them in training.)
     """
     per_module = Counter(c.module for c in rec.calls)
     made_at, writes = _writes(rec)
+    rereads = _buffer_rereads(rec)
     out = []
     for c in rec.calls:
         reason = ""
@@ -49,6 +54,11 @@ def call_blockers(rec: Recording) -> list[str]:
             if c.start <= i <= c.end and made_at.get(s, -1) < c.start:
                 reason = f"writes in place to a tensor made before the call ({rec.ops[i].op})"
                 break
+        for i, j, name in rereads:
+            if not reason and c.start <= i and j <= c.end:
+                reason = (f"reads buffer {name!r} after updating it in place "
+                          f"({rec.ops[i].op}, as spectral norm's power iteration does): a "
+                          "replay would start from the updated value")
         if not reason and any(c.start <= made_at.get(s, -1) <= c.end for s in c.holds):
             reason = ("stores tensors it makes into an object it was given (a KV cache: call the "
                       "model with use_cache=False for training)")
@@ -62,6 +72,24 @@ def call_blockers(rec: Recording) -> list[str]:
         if first:
             for k in ks:
                 out[k] = f"called {n} times in one step, and one call {first}"
+    return out
+
+
+def _buffer_rereads(rec: Recording) -> list[tuple[int, int, str]]:
+    """(op, later op, buffer name) for each forward op that updates a module buffer in place and
+    the first later forward op that reads it again."""
+    buffers = {r.storage: r.name for r in rec.ops if _is_buffer(r)}
+    out = []
+    for i, r in enumerate(rec.ops):
+        if r.phase != "forward":
+            continue
+        for s in r.writes:
+            if s not in buffers:
+                continue
+            j = next((j for j in range(i + 1, len(rec.ops)) if rec.ops[j].phase == "forward"
+                      and any(rec.ops[k].storage == s for k in rec.ops[j].inputs)), None)
+            if j is not None:
+                out.append((i, j, buffers[s]))
     return out
 
 

@@ -3,7 +3,8 @@
 The pipeline, each stage importing only the ones before it:
 capture (`planner.capture.record`, estimate mode in `planner.capture.estimate`) -> assembly
 (`planner.assemble`) -> calibration of checkpoint's own cost (`planner.calibrate`, which applies
-a plan in place to time it).
+a plan in place to time it) -> a check of the recording against one measured step
+(`planner.measurement`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from planner.capture.record import (
     split_inputs,
 )
 from planner.devices import DeviceSpec, get_device
+from planner.measurement import measure
 from solvers.errors import CkptPlannerError
 from solvers.profile import Profile
 
@@ -197,6 +199,7 @@ def profile(
     if not isinstance(model, torch.nn.Module):
         raise CkptPlannerError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     check_inputs(model, example_inputs)
+    _check_dense_gradients(model)
     check_autocast(autocast)
     if loss_fn is not None and not callable(loss_fn):
         raise CkptPlannerError(f"loss_fn is a {type(loss_fn).__name__}; pass a function of the "
@@ -210,6 +213,20 @@ def profile(
         prof = dataclasses.replace(prof, meta=dataclasses.replace(
             prof.meta, autocast=str(autocast).removeprefix("torch.")))
     return prof
+
+
+def _check_dense_gradients(model: torch.nn.Module) -> None:
+    """Refuse embeddings with sparse gradients before running anything: a sparse tensor has no
+    single storage, and the recorder follows memory by storage."""
+    sparse = [name or "(the root module)" for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse]
+    if sparse:
+        raise CkptPlannerError(
+            f"{', '.join(sparse[:3])}{' and others' if len(sparse) > 3 else ''} "
+            f"make{'s' if len(sparse) == 1 else ''} sparse gradients (sparse=True), which the planner cannot record (a sparse tensor has no "
+            "single storage to follow). Profile and plan with sparse=False on these modules: "
+            "the regions are the same modules, and the plan then counts each embedding's "
+            "gradient as a dense table, more than the sparse one takes")
 
 
 def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats, autocast,
@@ -277,5 +294,46 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
     if on_model is not None and on_model > prof.meta.checkpoint_region_ms:
         prof = dataclasses.replace(
             prof, meta=dataclasses.replace(prof.meta, checkpoint_region_ms=on_model))
+    prof = _checked(prof, model, example_inputs, loss_fn, optimizer, autocast)
     say("profiled")
+    return prof
+
+
+CHECK_TOLERANCE = 0.02
+"""How far the simulated peak of the step as profiled may be from the measured one before
+`profile` warns that the recording missed something."""
+
+
+def _checked(prof: Profile, model, example_inputs, loss_fn, optimizer, autocast) -> Profile:
+    """The profile with one plain step of the unplanned model measured beside its prediction
+    (`ProfileMeta.measured_peak_bytes`), and a warning where they differ by more than
+    `CHECK_TOLERANCE`: what the recorder did not see (work run outside it, on another thread)
+    would otherwise pass silently into every plan. Skipped with several processes and where
+    the model skips layers at random (the profiled draw is a seeded one)."""
+    import warnings
+
+    from solvers.simulate import simulate
+
+    if prof.meta.random_skips or (torch.distributed.is_available()
+                                  and torch.distributed.is_initialized()):
+        return prof
+    try:
+        # with an optimizer, one step first creates its state (restored afterwards), so that
+        # the step measured has it before it starts, as the profile counts it
+        m = measure(model, example_inputs, loss_fn, optimizer=optimizer, repeats=0,
+                    warmup=0 if optimizer is None else 1, autocast=autocast,
+                    held_bytes=prof.held_bytes)
+    except Exception:  # noqa: BLE001 - the recorded step ran; a check that cannot run is skipped
+        return prof
+    prof = dataclasses.replace(prof, meta=dataclasses.replace(
+        prof.meta, measured_peak_bytes=m.peak_bytes))
+    predicted = simulate(prof).peak_bytes
+    if abs(predicted - m.peak_bytes) > CHECK_TOLERANCE * m.peak_bytes:
+        warnings.warn(
+            f"the recorded step of {prof.meta.model_class} predicts a peak of {predicted:,} "
+            f"bytes without checkpointing, but a measured step peaked at {m.peak_bytes:,} "
+            f"({100 * (predicted / m.peak_bytes - 1):+.1f}%): the recording missed something "
+            "this model does (work outside the recorder, on another thread), so plans for it "
+            "may not hold their budget. Verify any plan (`plan.verify()`) and please report "
+            "the model.", stacklevel=3)
     return prof

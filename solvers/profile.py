@@ -191,6 +191,10 @@ class ProfileMeta:
     in flight all-gathered), or "" for a single process."""
     shard_units: list[str] = field(default_factory=list)
     """With ``fsdp``: the modules `fully_shard` is applied to besides the root, in forward order."""
+    measured_peak_bytes: int | None = None
+    """Measure mode: the peak of one plain step of the model as profiled (no plan), measured
+    (`planner.measure`) to check the recording against; None where not measured (estimate mode,
+    several processes, random skipping)."""
 
 
 @dataclass(frozen=True, kw_only=True)

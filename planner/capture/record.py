@@ -561,9 +561,12 @@ class _Recorder(TorchDispatchMode):
         packet = getattr(func, "overloadpacket", None)
         base = getattr(packet, "__name__", None) or op_name(func).split(".")[-1]
         writes = []
+        schema_args = func._schema.arguments if written_positions(func) else []
         for pos in written_positions(func):
-            if pos < len(args) and isinstance(args[pos], torch.Tensor):
-                writes.append(self.sid(args[pos]))
+            # an ``out=`` tensor is keyword-only: in `kwargs`, not `args`
+            a = args[pos] if pos < len(args) else kwargs.get(schema_args[pos].name)
+            if isinstance(a, torch.Tensor):
+                writes.append(self.sid(a))
         flops = 0
         if packet in flop_registry:
             with contextlib.suppress(Exception):  # a formula that cannot take these arguments
@@ -626,11 +629,25 @@ class _Recorder(TorchDispatchMode):
         that the original storage lives only as long as the model's own references do. An input
         is saved before its op runs: one from before the step that no op has read yet (a tensor
         the model keeps) becomes its constant placeholder here, so that the backward's reads of
-        the copy are reads of it."""
+        the copy are reads of it. What a backward saves (a Python backward that recomputes its
+        forward with gradients on, as Reformer's reversible layers do) is not a forward node's
+        save: autograd holds the tensor itself, not a copy, so that it dies when the inner
+        backward is done with it, as it does in a real step, and that is recorded as for any
+        storage."""
         self.suspended += 1
         try:
             sid = self.sid(t)
-            self.packs.append((torch.autograd._get_sequence_nr() - 1, sid))
+            if self.phase in ("forward", "loss"):
+                seq = torch.autograd._get_sequence_nr() - 1
+                made = self.owner.get(sid, -1)
+                if self.seq_owner.get(seq, made) < made:
+                    # the node saving it was made after the op its number was given to (a
+                    # custom Function whose forward ran ops without gradients): the node is
+                    # the last op's so far, after the saved tensor was made
+                    self.seq_owner[seq] = len(self.ops) - 1
+                self.packs.append((seq, sid))
+            else:
+                return _Packed(t, sid)
             if t.device.type == "cuda":
                 copy = t.detach().to("cpu")
             else:
@@ -876,9 +893,15 @@ def seeded(seed: int | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def restoring(spec: StepSpec) -> Iterator[None]:
-    """Leave the model's buffers (BatchNorm statistics) and the RNG streams (`seeded`) as they
-    were; with `spec.seed`, seed them for the run."""
+    """Leave the model's buffers (BatchNorm statistics), parameters' gradients and the RNG
+    streams (`seeded`) as they were; with `spec.seed`, seed them for the run. Gradients are None
+    during the run, as after ``zero_grad()``: `run_step` takes them with `torch.autograd.grad`,
+    but a model may call ``backward()`` itself (Reformer's reversible layers, in their backward),
+    which would accumulate into the user's ``.grad``."""
     saved = {k: v.detach().clone() for k, v in spec.buffers.items() if v.device.type != "meta"}
+    grads = {k: p.grad for k, p in spec.params.items()}
+    for p in spec.params.values():
+        p.grad = None
     with seeded(spec.seed):
         try:
             yield
@@ -886,6 +909,8 @@ def restoring(spec: StepSpec) -> Iterator[None]:
             with torch.no_grad():
                 for k, v in saved.items():
                     spec.buffers[k].copy_(v)
+            for k, g in grads.items():
+                spec.params[k].grad = g
 
 
 def _warm_up(spec: StepSpec) -> None:

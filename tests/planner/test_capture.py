@@ -6,6 +6,7 @@ Every TINY model is profiled once in measure mode (``repeats=1``) and shared by 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 
@@ -373,6 +374,7 @@ def test_what_the_first_call_builds_and_keeps_is_fixed_memory():
     assert simulate(again).peak_bytes == simulate(fresh).peak_bytes
     m = measure(model, x, repeats=1, held_bytes=fresh.held_bytes)
     assert m.fixed_bytes == fresh.fixed_bytes
+    assert fresh.meta.measured_peak_bytes == pytest.approx(m.peak_bytes, rel=1e-3)
     assert simulate(fresh).peak_bytes == pytest.approx(m.peak_bytes, rel=1e-3)
     budget = (smallest_peak(fresh) + simulate(fresh).peak_bytes) // 2
     p = plan(model, budget_bytes=budget, example_inputs=x, repeats=1)
@@ -460,6 +462,123 @@ def test_module_called_twice_is_a_region_only_with_both_calls():
     assert blocked == ["called 2 times in one step, and one call writes in place to a tensor "
                        "made before the call (aten.add_.Tensor)"] * 2
     assert all(grp[0].call.module != "h" for grp in shared_calls(prof))
+
+
+class _SpectralNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        sn = nn.utils.parametrizations.spectral_norm
+        self.body = nn.Sequential(sn(nn.Linear(32, 64)), nn.Tanh(), sn(nn.Linear(64, 32)))
+        self.head = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_a_buffer_read_after_its_update_blocks_the_call():
+    """Spectral norm's power iteration updates its vectors with ``out=`` (keyword-only: missed
+    once, when its replay updated them a second time every step and gave other gradients) and
+    reads them again: a replay runs on copies as forward left them, so it would compute another
+    weight. Calls holding both are not regions; the rest of the model still is, and the plan
+    trains like the model."""
+    torch.manual_seed(0)
+    model, x = _SpectralNet().train(), torch.randn(256, 32)
+    prof = profile(model, x, repeats=1)
+    assert any(n.op == "aten.div.out" and n.mutates_buffer for n in prof.nodes)
+    blocked = {c.module: c.blocker for c in prof.calls if c.blocker}
+    assert "after updating it in place" in blocked["body.0"]
+    assert "body.1" not in blocked and "head" not in blocked
+    budget = (smallest_peak(prof) + simulate(prof).peak_bytes) // 2
+    u = [b.clone() for b in model.buffers()]
+    p = plan(model, budget_bytes=budget, example_inputs=x, repeats=1)
+    try:
+        assert p.schedule.regions
+        assert not any(r.module.startswith("body.0") or r.module.startswith("body.2")
+                       for r in p.schedule.regions)
+        v = p.verify(repeats=1)  # same loss and gradients as the unplanned model
+        assert v.measured_peak_bytes <= budget
+        assert all(torch.equal(a, b) for a, b in zip(u, model.buffers(), strict=True))
+    finally:
+        remove(model)
+
+
+class _Reversible(torch.autograd.Function):
+    """y = x + f(x) with f run without gradients; the backward runs f again and calls
+    ``backward()`` on it, so that f's parameters' gradients accumulate into ``.grad`` (what
+    Reformer's reversible layers do)."""
+
+    @staticmethod
+    def forward(ctx, x, f):
+        ctx.f = f
+        with torch.no_grad():
+            y = x + f(x)
+        ctx.save_for_backward(x)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            (x + ctx.f(x)).backward(g)
+        return x.grad, None
+
+
+class _RevNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.fs = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for f in self.fs:
+            x = _Reversible.apply(x, f)
+        return x
+
+
+def test_a_model_that_calls_backward_itself_profiles_from_cleared_gradients():
+    """Profiling runs the step from gradients set to None, as after ``zero_grad()``, and puts the
+    user's ``.grad`` back: before, the warm-up's gradients stayed in ``.grad`` (the user's model
+    changed) and the recorded step accumulated into them, predicting 13.9% above a measured
+    step."""
+    torch.manual_seed(0)
+    model, x = _RevNet(), torch.randn(512, 64)
+    model.inp.weight.grad = torch.ones_like(model.inp.weight)
+    prof = profile(model, x, repeats=1)
+    assert torch.equal(model.inp.weight.grad, torch.ones_like(model.inp.weight))
+    assert all(p.grad is None for p in model.fs.parameters())
+    measured = measure(model, x, repeats=1).peak_bytes
+    assert simulate(prof).peak_bytes == pytest.approx(measured, rel=1e-3)
+    assert prof.meta.measured_peak_bytes == measured
+
+
+def test_a_recording_that_differs_from_a_measured_step_is_flagged(monkeypatch):
+    """`profile` measures one plain step beside the recorded one (`measured_peak_bytes`); where
+    the recording missed work the model does (here: a measured step 10% higher than any
+    recording could see), it warns, and the plan's report says so."""
+    import planner.profiling as profiling
+
+    torch.manual_seed(0)
+    model, x = mlp_dropout(batch=256, dim=64, depth=3)
+    prof = profile(model, x, repeats=1)
+    assert prof.meta.measured_peak_bytes == simulate(prof).peak_bytes
+    real = profiling.measure
+
+    def more(*args, **kwargs):
+        m = real(*args, **kwargs)
+        return dataclasses.replace(m, peak_bytes=int(m.peak_bytes * 1.1))
+
+    monkeypatch.setattr(profiling, "measure", more)
+    with pytest.warns(UserWarning, match="the recording missed something"):
+        missed = profile(model, x, repeats=1)
+    assert missed.meta.measured_peak_bytes == int(simulate(prof).peak_bytes * 1.1)
+    p = plan(model, budget_bytes=simulate(prof).peak_bytes * 2, example_inputs=x, repeats=1)
+    try:
+        assert "WARNING: the profiled step predicts" in p.report()
+    finally:
+        remove(model)
 
 
 class _AddOne(nn.Module):

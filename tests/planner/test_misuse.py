@@ -70,6 +70,12 @@ def _hf_checkpointing():
         return planner.plan(m, budget_gb=1, example_inputs=x, repeats=1)
 
 
+def _sparse_embedding():
+    model = nn.Sequential(nn.Embedding(100, 16, sparse=True), nn.Linear(16, 4))
+    return planner.plan(model, budget_gb=1, example_inputs=torch.randint(0, 100, (8, 5)),
+                        repeats=1)
+
+
 def _checkpoint_wrapper():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -239,6 +245,8 @@ ROWS = [
         r"plan the model first and compile after"),
     Row("HF gradient checkpointing on", _hf_checkpointing, CkptPlannerError,
         r"gradient_checkpointing_disable\(\)"),
+    Row("embedding with sparse gradients", _sparse_embedding, CkptPlannerError,
+        r"^0 makes sparse gradients \(sparse=True\).*plan with sparse=False"),
     Row("checkpoint_wrapper inside", _checkpoint_wrapper, CkptPlannerError,
         r"already wrapped for checkpointing.*remove checkpoint_wrapper"),
     Row("the model calls torch.utils.checkpoint itself", _own_checkpoint, planner.ModelRunError,
