@@ -561,8 +561,9 @@ class _Recorder(TorchDispatchMode):
         packet = getattr(func, "overloadpacket", None)
         base = getattr(packet, "__name__", None) or op_name(func).split(".")[-1]
         writes = []
-        schema_args = func._schema.arguments if written_positions(func) else []
-        for pos in written_positions(func):
+        positions = written_positions(func)
+        schema_args = func._schema.arguments if positions else []
+        for pos in positions:
             # an ``out=`` tensor is keyword-only: in `kwargs`, not `args`
             a = args[pos] if pos < len(args) else kwargs.get(schema_args[pos].name)
             if isinstance(a, torch.Tensor):
@@ -629,25 +630,20 @@ class _Recorder(TorchDispatchMode):
         that the original storage lives only as long as the model's own references do. An input
         is saved before its op runs: one from before the step that no op has read yet (a tensor
         the model keeps) becomes its constant placeholder here, so that the backward's reads of
-        the copy are reads of it. What a backward saves (a Python backward that recomputes its
-        forward with gradients on, as Reformer's reversible layers do) is not a forward node's
-        save: autograd holds the tensor itself, not a copy, so that it dies when the inner
-        backward is done with it, as it does in a real step, and that is recorded as for any
-        storage."""
+        the copy are reads of it. (The hooks are on for forward and loss only: what a backward
+        saves, a Python backward that recomputes its forward as Reformer's does, is held by
+        autograd as in any step, and dies where the recording sees it die.)"""
         self.suspended += 1
         try:
             sid = self.sid(t)
-            if self.phase in ("forward", "loss"):
-                seq = torch.autograd._get_sequence_nr() - 1
-                made = self.owner.get(sid, -1)
-                if self.seq_owner.get(seq, made) < made:
-                    # the node saving it was made after the op its number was given to (a
-                    # custom Function whose forward ran ops without gradients): the node is
-                    # the last op's so far, after the saved tensor was made
-                    self.seq_owner[seq] = len(self.ops) - 1
-                self.packs.append((seq, sid))
-            else:
-                return _Packed(t, sid)
+            seq = torch.autograd._get_sequence_nr() - 1
+            made = self.owner.get(sid, -1)
+            if self.seq_owner.get(seq, made) < made:
+                # the node saving it was made after the op its number went to (a custom
+                # Function whose forward ran its ops without gradients): the node is the last
+                # op's so far, after the saved tensor was made
+                self.seq_owner[seq] = len(self.ops) - 1
+            self.packs.append((seq, sid))
             if t.device.type == "cuda":
                 copy = t.detach().to("cpu")
             else:
@@ -918,8 +914,7 @@ def _warm_up(spec: StepSpec) -> None:
     first call: what a model computes once and keeps (an `lru_cache`d position index, as BEiT's
     relative position bias; a lazily built buffer) then exists before the recorded step, held
     beside the weights as it is in every later step, instead of being counted as the step's own
-    memory. Buffers and random streams are put back (`restoring`), and `run_step` takes
-    gradients with `torch.autograd.grad`, so parameters' ``.grad`` are not touched."""
+    memory. Buffers, gradients and random streams are put back (`restoring`)."""
     try:
         with restoring(spec):
             run_step(spec, None, hooks=False)

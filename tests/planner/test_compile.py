@@ -218,7 +218,9 @@ def test_planning_other_models_does_not_recompile_a_compiled_planned_model():
 def test_a_budget_below_the_eager_floor_is_judged_on_the_compiled_step():
     """plan(..., compile="inductor") at a budget no eager plan reaches: inductor keeps less than
     eager, so the budget is searched on compiled copies; the answer is a plan whose compiled step
-    fits, or an error giving the compiled peaks it measured (not the eager floor's message)."""
+    fits, or an error giving the compiled peaks it measured (not the eager floor's message).
+    Inductor's own budget left at 1 (`compile_memory_budgets=(1.0,)`): every compiled copy
+    costs seconds of inductor compilation, over a minute for this search from a cold cache."""
     from tests.models import unet
 
     torch._dynamo.reset()
@@ -228,7 +230,7 @@ def test_a_budget_below_the_eager_floor_is_judged_on_the_compiled_step():
     budget = smallest_peak(prof) - 1
     try:
         p = planner.plan(model, budget_bytes=budget, example_inputs=x, compile="inductor",
-                         repeats=1)
+                         compile_memory_budgets=(1.0,), repeats=1)
     except planner.InfeasibleBudgetError as e:
         assert "under torch.compile(backend='inductor')" in str(e)
         assert "measured compiled peaks" in str(e)
