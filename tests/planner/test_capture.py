@@ -502,6 +502,45 @@ def test_a_buffer_read_after_its_update_blocks_the_call():
         remove(model)
 
 
+class _ExpTwice(torch.autograd.Function):
+    """exp(x) * 2, saving its output: a tensor made inside its forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.exp() * 2
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        return g * out
+
+
+def test_a_custom_function_that_saves_what_its_forward_made():
+    """A custom Function's autograd node is numbered when `apply` starts, before its forward
+    runs its ops: its saves went to the forward's first op, which predates the tensor saved,
+    and the profile was refused as malformed ("saves storage ..., which no earlier node
+    allocates"). The node is now the last op's before the save."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 64)
+
+        def forward(self, x):
+            return self.b(_ExpTwice.apply(self.a(x) * 0.01))
+
+    torch.manual_seed(0)
+    model, x = M(), torch.randn(512, 64)
+    prof = profile(model, x, repeats=1)
+    saver = next(n for n in prof.nodes if n.saves and n.op == "aten.mul.Tensor"
+                 and n.module == "")
+    assert prof.storage_bytes[saver.storage] == 512 * 256 * 4
+    assert simulate(prof).peak_bytes == pytest.approx(measure(model, x, repeats=1).peak_bytes,
+                                                      rel=1e-3)
+
+
 class _Reversible(torch.autograd.Function):
     """y = x + f(x) with f run without gradients; the backward runs f again and calls
     ``backward()`` on it, so that f's parameters' gradients accumulate into ``.grad`` (what
