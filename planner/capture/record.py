@@ -760,6 +760,9 @@ class _Recorder(TorchDispatchMode):
             return hook
 
         for name, m in model.named_modules():
+            if isinstance(m, torch.jit.ScriptModule):
+                # TorchScript takes no hooks: its ops are its caller's, and it is no region
+                continue
             handles.append(m.register_forward_pre_hook(pre(name), with_kwargs=True))
             handles.append(m.register_forward_hook(post(name), prepend=True, always_call=True))
         try:

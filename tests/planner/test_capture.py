@@ -502,6 +502,20 @@ def test_a_buffer_read_after_its_update_blocks_the_call():
         remove(model)
 
 
+def test_torchscript_submodules_profile_as_their_callers_ops():
+    """A TorchScript module takes no hooks (registering one raised, and the error blamed the
+    inputs): its ops are its caller's, it is no region, and the peak is predicted."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    model = nn.Sequential(torch.jit.script(mlp), nn.Tanh(), nn.Linear(64, 64)).train()
+    x = torch.randn(256, 64)
+    prof = profile(model, x, repeats=1)
+    assert not any(c.module == "0" or c.module.startswith("0.") for c in prof.calls)
+    assert any(n.op == "aten.gelu.default" for n in prof.nodes)
+    assert simulate(prof).peak_bytes == pytest.approx(measure(model, x, repeats=1).peak_bytes,
+                                                      rel=1e-3)
+
+
 class _ExpTwice(torch.autograd.Function):
     """exp(x) * 2, saving its output: a tensor made inside its forward."""
 
