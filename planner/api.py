@@ -270,10 +270,9 @@ class Plan:
 
         # Where the model skips layers at random, peaks are measured on a draw that runs every
         # layer the profile ran: the draw the prediction is for.
-        must = _must_run(self.profile)
-        draw = (seeds_running_all(step_spec(planned, self.example_inputs, self.loss_fn,
-                                            self.autocast), must, 1) if must else [])
-        with seeded(draw[0]) if draw else contextlib.nullcontext():
+        draw = _profiled_draw(self.profile, planned, self.example_inputs, self.loss_fn,
+                              self.autocast)
+        with seeded(draw) if draw is not None else contextlib.nullcontext():
             return verify_against(unplanned, contextlib.nullcontext(model), self.example_inputs,
                                   self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
                                   atol=atol, repeats=repeats, autocast=self.autocast,
@@ -416,6 +415,17 @@ def _must_run(prof: Profile) -> list[str] | None:
     return sorted({c.module for c in prof.calls}) if prof.meta.random_skips else None
 
 
+def _profiled_draw(prof: Profile, model: torch.nn.Module, example_inputs: Any, loss_fn,
+                   autocast: torch.dtype | None) -> int | None:
+    """Where the model skips modules at random, a seed whose draw runs every module the profiled
+    draw ran (the draw predictions are for); None otherwise, or where no such seed was found."""
+    must = _must_run(prof)
+    if not must:
+        return None
+    found = seeds_running_all(step_spec(model, example_inputs, loss_fn, autocast), must, 1)
+    return found[0] if found else None
+
+
 def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_fn,
            autocast: torch.dtype | None,
            optimizer: torch.optim.Optimizer | None = None,
@@ -501,12 +511,10 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
 
     # Where the model skips layers at random, a compiled step is measured on a draw that runs
     # every layer the profile ran, as its eager peak is.
-    must = _must_run(prof)
-    draw = (seeds_running_all(step_spec(model, example_inputs, loss_fn, autocast), must, 1)
-            if must else [])
+    draw = _profiled_draw(prof, model, example_inputs, loss_fn, autocast)
 
     def peak(c: torch.nn.Module) -> int:
-        with seeded(draw[0] if draw else None):
+        with seeded(draw):
             return compiled_peak(c, example_inputs, loss_fn, autocast,
                                  prof.held_bytes).peak_bytes
 

@@ -6,6 +6,7 @@ its verdict: can it be a checkpointed region, and if not, why (the `blocker` of 
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 from collections import Counter
@@ -79,17 +80,18 @@ def _buffer_rereads(rec: Recording) -> list[tuple[int, int, str]]:
     """(op, later op, buffer name) for each forward op that updates a module buffer in place and
     the first later forward op that reads it again."""
     buffers = {r.storage: r.name for r in rec.ops if _is_buffer(r)}
+    readers: dict[int, list[int]] = {}  # buffer storage -> forward ops reading it, in order
+    for j, r in enumerate(rec.ops):
+        if r.phase == "forward":
+            for s in {rec.ops[k].storage for k in r.inputs} & buffers.keys():
+                readers.setdefault(s, []).append(j)
     out = []
     for i, r in enumerate(rec.ops):
-        if r.phase != "forward":
-            continue
-        for s in r.writes:
-            if s not in buffers:
-                continue
-            j = next((j for j in range(i + 1, len(rec.ops)) if rec.ops[j].phase == "forward"
-                      and any(rec.ops[k].storage == s for k in rec.ops[j].inputs)), None)
-            if j is not None:
-                out.append((i, j, buffers[s]))
+        for s in r.writes if r.phase == "forward" else ():
+            later = readers.get(s, [])
+            k = bisect.bisect_right(later, i)
+            if s in buffers and k < len(later):
+                out.append((i, later[k], buffers[s]))
     return out
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ from planner.devices import DeviceSpec, get_device
 from planner.measurement import measure
 from solvers.errors import CkptPlannerError
 from solvers.profile import Profile
+from solvers.simulate import simulate
 
 __all__ = ["check_autocast", "device_name", "dominant_dtype", "optimizer_bytes", "profile",
            "step_spec"]
@@ -223,8 +225,8 @@ def _check_dense_gradients(model: torch.nn.Module) -> None:
     if sparse:
         raise CkptPlannerError(
             f"{', '.join(sparse[:3])}{' and others' if len(sparse) > 3 else ''} "
-            f"make{'s' if len(sparse) == 1 else ''} sparse gradients (sparse=True), which the planner cannot record (a sparse tensor has no "
-            "single storage to follow). Profile and plan with sparse=False on these modules: "
+            f"make{'s' if len(sparse) == 1 else ''} sparse gradients (sparse=True), which the "
+            "planner cannot record (a sparse tensor has no single storage to follow). Profile and plan with sparse=False on these modules: "
             "the regions are the same modules, and the plan then counts each embedding's "
             "gradient as a dense table, more than the sparse one takes")
 
@@ -310,10 +312,6 @@ def _checked(prof: Profile, model, example_inputs, loss_fn, optimizer, autocast)
     `CHECK_TOLERANCE`: what the recorder did not see (work run outside it, on another thread)
     would otherwise pass silently into every plan. Skipped with several processes and where
     the model skips layers at random (the profiled draw is a seeded one)."""
-    import warnings
-
-    from solvers.simulate import simulate
-
     if prof.meta.random_skips or (torch.distributed.is_available()
                                   and torch.distributed.is_initialized()):
         return prof

@@ -343,11 +343,9 @@ def _put_back(v: Any, before: list) -> bool:
             for a, b in zip(now, before, strict=True)):
         return False
     v.clear()
-    if isinstance(v, dict):
-        v.update(before)
-    elif isinstance(v, list):
+    if isinstance(v, list):
         v.extend(before)
-    else:
+    else:  # a dict takes back its (key, value) pairs, a set its items
         v.update(before)
     return True
 
