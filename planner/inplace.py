@@ -268,13 +268,15 @@ class SegmentedForward:
         self.regions = sorted(regions, key=lambda r: r.segment)
         self._runners = _segment_runners(self.regions, len(module), 2, "children",
                                          repr(regions[0].module), root)
+        self._items = _nest(0, len(module) - 1, self._runners)
         functools.update_wrapper(self, type(module).forward.__get__(module))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SegmentedForward:
         new = SegmentedForward.__new__(SegmentedForward)
         new.__dict__.update(self.__dict__)
         new.module = memo.get(id(self.module), self.module)
-        new._runners = {i: (j, r.remap(memo)) for i, (j, r) in self._runners.items()}
+        new._runners = [(i, j, r.remap(memo)) for i, j, r in self._runners]
+        new._items = _nest(0, len(self.module) - 1, new._runners)  # new.module: half-copied
         new.__wrapped__ = type(new.module).forward.__get__(new.module)
         return new
 
@@ -284,17 +286,7 @@ class SegmentedForward:
             for m in children:
                 input = m(input)
             return input
-        k = 0
-        while k < len(children):
-            seg = self._runners.get(k)
-            if seg is None:
-                input = children[k](input)
-                k += 1
-                continue
-            j, runner = seg
-            input = runner.run(functools.partial(_run_children, children[k:j + 1]), input)
-            k = j + 1
-        return input
+        return _run_children(children, self._items, input)
 
 
 class StagedForward:
@@ -328,13 +320,13 @@ class StagedForward:
 
     def _build(self) -> None:
         self._program = self.graph.program(
-            self.module, {i: (j, rr.run) for i, (j, rr) in self._runners.items()})
+            self.module, [(i, j, rr.run) for i, j, rr in self._runners])
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StagedForward:
         new = StagedForward.__new__(StagedForward)
         new.__dict__.update(self.__dict__)
         new.module = memo.get(id(self.module), self.module)
-        new._runners = {i: (j, r.remap(memo)) for i, (j, r) in self._runners.items()}
+        new._runners = [(i, j, r.remap(memo)) for i, j, r in self._runners]
         new._build()
         new.__wrapped__ = type(new.module).forward.__get__(new.module)
         return new
@@ -346,24 +338,50 @@ class StagedForward:
 
 
 def _segment_runners(regions: list[Region], n: int, least: int, of: str, where: str,
-                     root: torch.nn.Module) -> dict[int, tuple[int, _RegionRunner]]:
-    """First position -> (last position, runner) of segment regions sorted by position, checked
-    to lie within `n` items (`of`: children, traced nodes), to span at least `least` of them and
-    not to overlap."""
-    last = -1
-    for r in regions:
-        i, j = r.segment
-        if not (0 <= i and i + least - 1 <= j < n) or i <= last:
+                     root: torch.nn.Module) -> list[tuple[int, int, _RegionRunner]]:
+    """(first position, last position, runner) of each segment region, checked to lie within
+    `n` items (`of`: children, traced nodes), to span at least `least` of them, and to nest in
+    or be disjoint from each other (a segment inside another is a nested checkpoint)."""
+    spans = sorted((r.segment for r in regions), key=lambda ij: (ij[0], -ij[1]))
+    open_: list[tuple[int, int]] = []
+    for i, j in spans:
+        while open_ and open_[-1][1] < i:
+            open_.pop()
+        if not (0 <= i and i + least - 1 <= j < n) or (
+                open_ and (j > open_[-1][1] or (i, j) == open_[-1])):
             raise ScheduleError(
                 f"segments {[r.segment for r in regions]} of {where} overlap or are out of range "
                 f"for its {n} {of}: the schedule was made for another model; re-plan")
-        last = j
-    return {r.segment[0]: (r.segment[1], _RegionRunner(r, root)) for r in regions}
+        open_.append((i, j))
+    return [(*r.segment, _RegionRunner(r, root)) for r in regions]
 
 
-def _run_children(children: list[torch.nn.Module], input: Any) -> Any:
-    for m in children:
-        input = m(input)
+def _nest(lo: int, hi: int, segments: list[tuple[int, int, Any]]) -> tuple:
+    """Positions lo..hi as a tree: a position not in any segment among `segments` (all inside
+    lo..hi) as itself, each outermost segment as (its runner, the tree of its positions)."""
+    out: list = []
+    k = lo
+    while k <= hi:
+        starting = [s for s in segments if s[0] == k]
+        if not starting:
+            out.append(k)
+            k += 1
+            continue
+        i, j, runner = max(starting, key=lambda s: s[1])
+        inner = [s for s in segments if i <= s[0] and s[1] <= j and (s[0], s[1]) != (i, j)]
+        out.append((runner, _nest(i, j, inner)))
+        k = j + 1
+    return tuple(out)
+
+
+def _run_children(children: list[torch.nn.Module], items: tuple, input: Any) -> Any:
+    """The children in `items` (`_nest`'s tree) in order, each segment under its runner."""
+    for item in items:
+        if isinstance(item, int):
+            input = children[item](input)
+        else:
+            runner, inner = item
+            input = runner.run(functools.partial(_run_children, children, inner), input)
     return input
 
 

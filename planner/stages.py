@@ -197,29 +197,19 @@ class StagedGraph:
 
 
     def program(self, module: torch.nn.Module,
-                segments: dict[int, tuple[int, Callable]]) -> Callable[..., Any]:
-        """The forward as generated Python (`torch.fx` code generation), each segment a call of
-        ``runner(segment_fn, *arguments)``: plain code that `torch.compile` traces (an
-        interpreter over fx nodes it would not). Takes the forward's arguments bound in
-        signature order; reads submodules and attributes from `module` at every call."""
+                segments: list[tuple[int, int, Callable]]) -> Callable[..., Any]:
+        """The forward as generated Python (`torch.fx` code generation), each segment (first and
+        last exec position, runner) a call of ``runner(segment_fn, *arguments)``: plain code that
+        `torch.compile` traces (an interpreter over fx nodes it would not). Segments either nest
+        or are disjoint; a segment inside another is called from the outer one's code, so its
+        checkpoint runs inside the outer one's (and inside its replay). Takes the forward's
+        arguments bound in signature order; reads submodules and attributes from `module` at
+        every call."""
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         for p in self.placeholders:
             env[p] = g.placeholder(p.name)
-        k, n_exec = 0, len(self.exec)
-        while k < n_exec:
-            seg = segments.get(k)
-            if seg is None:
-                env[self.exec[k]] = g.node_copy(self.exec[k], lambda a: env[a])
-                k += 1
-                continue
-            j, runner = seg
-            ins, outs = self.io(k, j)
-            call = g.call_function(_segment_call(self._segment_code(module, k, j), runner, k),
-                                   tuple(env[a] for a in ins))
-            for idx, o in enumerate(outs):
-                env[o] = g.call_function(operator.getitem, (call, idx))
-            k = j + 1
+        self._emit(g, env, 0, len(self.exec) - 1, list(segments), module)
         g.output(fx.node.map_arg(self.output.args[0], lambda a: env[a]))
         fn = _compile(g, module)
         sig = self.signature
@@ -231,12 +221,33 @@ class StagedGraph:
 
         return forward
 
-    def _segment_code(self, module: torch.nn.Module, i: int, j: int) -> Callable[..., Any]:
+    def _emit(self, g: fx.Graph, env: dict[fx.Node, fx.Node], lo: int, hi: int,
+              segments: list[tuple[int, int, Callable]], module: torch.nn.Module) -> None:
+        """Exec nodes lo..hi into `g`, each outermost segment among `segments` (all inside
+        lo..hi) as one call."""
+        k = lo
+        while k <= hi:
+            starting = [s for s in segments if s[0] == k]
+            if not starting:
+                env[self.exec[k]] = g.node_copy(self.exec[k], lambda a: env[a])
+                k += 1
+                continue
+            i, j, runner = max(starting, key=lambda s: s[1])
+            inner = [s for s in segments if i <= s[0] and s[1] <= j and (s[0], s[1]) != (i, j)]
+            ins, outs = self.io(i, j)
+            call = g.call_function(
+                _segment_call(self._segment_code(module, i, j, inner), runner, i, j),
+                tuple(env[a] for a in ins))
+            for idx, o in enumerate(outs):
+                env[o] = g.call_function(operator.getitem, (call, idx))
+            k = j + 1
+
+    def _segment_code(self, module: torch.nn.Module, i: int, j: int,
+                      inner: list[tuple[int, int, Callable]]) -> Callable[..., Any]:
         ins, outs = self.io(i, j)
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {a: g.placeholder(a.name) for a in ins}
-        for n in self.exec[i:j + 1]:
-            env[n] = g.node_copy(n, lambda a: env[a])
+        self._emit(g, env, i, j, inner, module)
         g.output(tuple(env[o] for o in outs))
         return _compile(g, module)
 
@@ -249,11 +260,12 @@ def _compile(g: fx.Graph, module: torch.nn.Module) -> Callable[..., Any]:
     return functools.partial(scope["forward"], module)
 
 
-def _segment_call(fn: Callable[..., Any], runner: Callable, k: int) -> Callable[..., Any]:
+def _segment_call(fn: Callable[..., Any], runner: Callable, i: int, j: int
+                  ) -> Callable[..., Any]:
     def segment(*args: Any) -> Any:
         return runner(fn, *args)
 
-    segment.__name__ = segment.__qualname__ = f"ckpt_segment_{k}"
+    segment.__name__ = segment.__qualname__ = f"ckpt_segment_{i}_{j}"
     return segment
 
 

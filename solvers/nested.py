@@ -11,7 +11,10 @@ The method starts from `dp`'s schedule (its cheapest plan at the budget, or, whe
 each of its few plans of lowest peak in turn, keeping the best end) and, while the simulated
 peak is above the budget, adds the module call that lowers it most: nested in a region,
 wrapping regions, or beside them; the same call of every repeated block at once
-(``model.layers.*.self_attn``) or one call, nearest the peak first.
+(``model.layers.*.self_attn``) or one call, nearest the peak first. A run of a traced forward's
+stages or of a Sequential's children counts as a call, and runs of one forward nest too (a
+residual block checkpointed, and its first convolution inside it, so the block's replay does
+not hold that convolution's output through the rest of its backward).
 Where no call added lowers the peak, it drops the region whose removal lowers it most (a
 replay can be what peaks) and goes on adding. Every step is judged by `simulate`; it stops when
 the budget is met or nothing lowers the peak, and then drops the regions the budget does not
@@ -183,12 +186,10 @@ def _span_of(profile: Profile, r: Region) -> tuple[int, int]:
 
 def _fits(span: CallSpan, chosen: list[CallSpan]) -> bool:
     """`span` can join `chosen`: nested in, containing, or disjoint from every region, never
-    the same nodes as one, and not a module another region already wraps (disjoint segments of
-    one module may both be regions)."""
+    the same nodes as one, and not a module another region already wraps whole (segments of one
+    module may all be regions, nested or disjoint, but not beside a region of its whole call)."""
     for c in chosen:
-        if c.call.module == span.call.module and (
-                c.segment is None or span.segment is None
-                or not (span.b < c.a or span.a > c.b)):
+        if c.call.module == span.call.module and (c.segment is None or span.segment is None):
             return False
         if (c.a, c.b) == (span.a, span.b):
             return False

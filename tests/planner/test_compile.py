@@ -17,7 +17,7 @@ from planner.capture.record import default_loss
 from planner.inplace import applied
 from planner.measurement import measure
 from solvers.simulate import simulate
-from solvers.solve import smallest_peak
+from solvers.solve import smallest_peak, solve
 from tests.models import call, resnet_bn
 from tests.zoo import CASES
 
@@ -40,8 +40,9 @@ def _train(model, inputs, loss_fn=None, steps: int = STEPS, owner=None):
 def _planned(model, inputs, method, loss_fn=None):
     prof = planner.profile(model, inputs, loss_fn=loss_fn, repeats=1)
     n, f = simulate(prof).peak_bytes, prof.fixed_bytes
-    # dp at 60% of the activations; a baseline's regions do not depend on the budget
-    budget = max(int(f + 0.6 * (n - f)), smallest_peak(prof) + SLACK_BYTES) \
+    # dp at 60% of the activations, or at its own floor (nesting goes lower than dp can); a
+    # baseline's regions do not depend on the budget
+    budget = max(int(f + 0.6 * (n - f)), solve(prof, 0, "dp").min_peak_bytes + SLACK_BYTES) \
         if method == "dp" else 2 * n
     p = planner.plan_from_profile(model, prof, budget_bytes=budget, method=method)
     assert p.schedule.regions
@@ -97,6 +98,29 @@ def test_hf_gpt2_compiles_whole_model_without_graph_breaks():
 def test_cnn_with_batchnorm_compiles_per_block(method):
     p = _check(_cnn, method, "aot_eager", per_block=True)
     assert any(r.buffers for r in p.schedule.regions)
+
+
+@pytest.mark.parametrize("build", ["resnet_bn", "deep_narrow_cnn"])
+def test_nested_segments_of_one_forward_compile(build):
+    """The plan at the smallest peak nests runs of one forward (a residual block's traced
+    forward, a Sequential's children): each planned module compiles with ``fullgraph=True``, no
+    graph break, and trains like the uncompiled planned model."""
+    from tests.models import deep_narrow_cnn
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, x = (resnet_bn(batch=4, width=8, blocks=(1, 1), image=32) if build == "resnet_bn"
+                else deep_narrow_cnn(batch=2, channels=4, depth=8, image=16))
+    model.train()
+    p = planner.plan_from_profile(model, planner.profile(model, x, repeats=1), budget_bytes=None)
+    segments = [r.segment for r in p.schedule.regions if r.segment is not None]
+    assert any(a != b and a[0] <= b[0] and b[1] <= a[1] for a in segments for b in segments)
+    twin = copy.deepcopy(model)
+    _compile_regions(model, p, "aot_eager")
+    want, got = _train(twin, x), _train(model, x)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_inductor_per_block_trains_like_eager_planned():

@@ -17,9 +17,9 @@ import torch
 import planner
 from planner.api import SLACK_BYTES
 from planner.capture.record import default_loss
-from planner.inplace import apply_schedule, remove
+from planner.inplace import SegmentedForward, StagedForward, apply_schedule, remove
 from planner.measurement import measure
-from solvers import Schedule
+from solvers import Region, Schedule, ScheduleError
 from solvers.chain import bind, region, useful_calls
 from solvers.simulate import peak_breakdown, simulate
 from solvers.solve import lowest, pareto, smallest_peak, solve
@@ -47,8 +47,8 @@ def _grads(model, x, loss_fn=None):
 
 def _laminar(prof, rng: random.Random, n: int, staged: bool = False):
     """A random family of module calls that nest or are disjoint, each module once; with
-    `staged`, runs of the stages of traced forwards (`planner.stages`), which may share a module
-    when disjoint."""
+    `staged`, runs of the stages of traced forwards (`planner.stages`), several of which may
+    be of one module, disjoint or nested."""
     spans = [s for s in useful_calls(prof)
              if ((s.staged and s.segment is not None) if staged
                  else (s.call.module and not s.staged))]
@@ -58,7 +58,7 @@ def _laminar(prof, rng: random.Random, n: int, staged: bool = False):
                  for c in chosen)
         same = [c for c in chosen if c.call.module == s.call.module]
         if ok and all((c.a, c.b) != (s.a, s.b) for c in chosen) and all(
-                s.staged and c.staged and (s.b < c.a or s.a > c.b) for c in same):
+                s.staged and c.staged for c in same):
             chosen.append(s)
     return sorted(chosen, key=lambda s: (s.a, -s.b))
 
@@ -80,8 +80,11 @@ def _check(prof, model, x, loss_fn, regions, reference) -> None:
         torch.testing.assert_close(grads[k], reference[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-def _nestings(chosen) -> int:
-    return sum(1 for a in chosen for b in chosen if a is not b and a.a <= b.a and b.b <= a.b)
+def _nestings(chosen, same_module: bool = False) -> int:
+    """Pairs of `chosen` where one nests in the other (with `same_module`: segments of one
+    module's forward)."""
+    return sum(1 for a in chosen for b in chosen if a is not b and a.a <= b.a and b.b <= a.b
+               and (not same_module or a.call.module == b.call.module))
 
 
 @pytest.mark.parametrize("name", ["gpt_eager", "hf_llama", "resnet_bn", "unet", "t5"])
@@ -116,15 +119,15 @@ def test_random_runs_of_traced_forwards_match_measured(name):
     assert any(c.stages for c in prof.calls)
     reference = _grads(model, x, loss_fn)
     rng = random.Random(1)
-    nested_seen = 0
+    nested_seen = same_seen = 0
     for _ in range(4):
         chosen = _laminar(prof, rng, 8, staged=True)
         regions = bind(prof, tuple(region(prof, s.a, s.b) for s in chosen))
         assert all(r.module is not None and r.staged for r in regions)
         nested_seen += _nestings(chosen)
+        same_seen += _nestings(chosen, same_module=True)
         _check(prof, model, x, loss_fn, regions, reference)
-    if len({c.module for c in prof.calls if c.stages}) > 1:  # unet: only the root's forward
-        assert nested_seen > 0
+    assert nested_seen > 0 and same_seen > 0
 
 
 def test_nesting_goes_below_one_level():
@@ -239,3 +242,60 @@ def test_a_nested_self_attention_replays_with_one_tensor_for_query_key_and_value
     spans = [by_module["layers.1"], by_module["layers.1.self_attn"]]
     regions = bind(prof, tuple(region(prof, s.a, s.b) for s in spans))
     _check(prof, model, inputs, loss_fn, regions, reference)
+
+
+@pytest.mark.parametrize("name, wrapper", [("resnet_bn", StagedForward),
+                                           ("deep_narrow_cnn", SegmentedForward)])
+def test_segments_of_one_forward_nest(name, wrapper):
+    """At the smallest peak, runs of one forward's stages (a residual block's traced forward) or
+    of one `nn.Sequential`'s children nest: the block's replay keeps its first convolution's
+    output only while an inner checkpoint needs it. The plan fits, the peak is predicted within
+    2% and the gradients are the unplanned model's."""
+    model, x = build(name)
+    prof = planner.profile(model, x, repeats=1)
+    reference = _grads(model, x)
+    best = lowest(prof)
+    segs: dict[str, list[tuple[int, int]]] = {}
+    for r in best.regions:
+        if r.segment is not None:
+            segs.setdefault(r.module, []).append(r.segment)
+    nested = {m: v for m, v in segs.items()
+              if any(a != b and a[0] <= b[0] and b[1] <= a[1] for a in v for b in v)}
+    assert nested, segs
+    p = planner.plan_from_profile(model, prof, budget_bytes=None, example_inputs=x)
+    try:
+        assert p.schedule.regions == best.regions
+        for m in nested:
+            assert isinstance(model.get_submodule(m).__dict__["forward"], wrapper)
+        grads = _grads(model, x)
+        v = p.verify(repeats=1)
+    finally:
+        planner.remove(model)
+    assert abs(v.predicted_peak_bytes - v.measured_peak_bytes) <= 0.02 * v.measured_peak_bytes
+    assert v.measured_peak_bytes <= best.predicted_peak_bytes + SLACK_BYTES
+    for k in reference:
+        torch.testing.assert_close(grads[k], reference[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("segments, ok", [
+    ([(0, 3), (1, 2)], True),
+    ([(0, 3), (0, 1), (2, 3)], True),
+    ([(0, 2), (1, 3)], False),
+    ([(0, 2), (0, 2)], False),
+    ([(0, 4)], False),
+])
+def test_segments_nest_or_are_disjoint(segments, ok):
+    """Segments of one Sequential either nest or are disjoint; a partial overlap or a repeat is
+    refused when the plan is applied, and nothing is left applied."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+    regions = tuple(Region(start=f"n{i}", end=f"n{j}", module="", segment=(i, j))
+                    for i, j in segments)
+    if ok:
+        apply_schedule(model, Schedule(regions=regions))
+        y = model(torch.randn(2, 4, requires_grad=True))
+        y.sum().backward()
+        remove(model)
+    else:
+        with pytest.raises(ScheduleError, match="overlap or are out of range"):
+            apply_schedule(model, Schedule(regions=regions))
+    assert "forward" not in model.__dict__
