@@ -40,6 +40,8 @@ def call_blockers(rec: Recording) -> list[str]:
     - A tensor made inside the call and stored into an object the call was given (an HF
       ``DynamicCache`` under ``use_cache=True``, a list collecting hidden states): the replay
       would store it again.
+    - A tensor with an autograd graph left in a plain attribute of a module inside the call
+      (RecurrentGemma's recurrent state): the replay would store the recomputed one.
     - A module buffer updated in place and read again later in the call (spectral norm's power
       iteration): the replay runs on copies of the buffers as forward left them, so it would
       start from the updated value and compute another weight. (BatchNorm reads its statistics
@@ -60,6 +62,11 @@ def call_blockers(rec: Recording) -> list[str]:
                 reason = (f"reads buffer {name!r} after updating it in place "
                           f"({rec.ops[i].op}, as spectral norm's power iteration does): a "
                           "replay would start from the updated value")
+        for i, attr in rec.attribute_stores:
+            if not reason and c.start <= i <= c.end:
+                reason = (f"stores a tensor it computes, with its autograd graph, on a module "
+                          f"({attr!r}): a replay would store the recomputed one, which keeps the "
+                          "replay's tensors alive")
         if not reason and any(c.start <= made_at.get(s, -1) <= c.end for s in c.holds):
             reason = ("stores tensors it makes into an object it was given (a KV cache: call the "
                       "model with use_cache=False for training)")

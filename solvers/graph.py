@@ -43,6 +43,9 @@ class GraphIndex:
             s for i, nd in enumerate(nodes) if nd.phase in FIXED_PHASES for s in nd.new_storages
         }
         out_storage = [nd.storage for nd in nodes]
+        self.out_storage = out_storage
+        self.inputs_of = [[self.name_to_i[name] for name in nd.inputs] for nd in nodes]
+        self.getitem = [nd.op == "getitem" for nd in nodes]
         # Storages each node reads: a tuple-valued input (multi-output op) holds all its outputs.
         all_reads: list[set[int]] = []
         for nd in nodes:
@@ -104,6 +107,7 @@ class GraphIndex:
         self.has_optimizer = bool(p.optimizer_state_bytes or p.optimizer_step_bytes)
         self.optimizer_step_bytes = p.optimizer_step_bytes
         self._arrays: IndexArrays | None = None
+        self._dead_ends: dict[int, int] | None = None
         self.spans: dict[tuple[int, int], tuple[list[int], frozenset[int], frozenset[int]]] = {}
         """A region's node span -> its forward nodes, the storages they make, the storages
         they read from outside (the simulator's, computed once per span)."""
@@ -116,6 +120,61 @@ class GraphIndex:
         if self._arrays is None:
             self._arrays = IndexArrays(self)
         return self._arrays
+
+    def dead_saver_ends(self) -> dict[int, int]:
+        """For each forward node that saves tensors but never ran backward (its output does not
+        reach the loss: an output the model computes and drops, like CANINE's character-level
+        sequence output under a classification head): the node after which its autograd node
+        dies, freeing what it saved. That node lives as long as a tensor whose `grad_fn` chain
+        reaches it: its outputs and, recursively, those of the nodes after it that did not run
+        backward either, each until its last reader or until the model's code drops it."""
+        end = self.dead_ends()
+        return {f: end[f] for f in self.forward if self.saves[f] and f in end}
+
+    def dead_ends(self) -> dict[int, int]:
+        """For every forward node that never ran backward, the node after which its autograd
+        node dies (`dead_saver_ends`); computed once."""
+        if self._dead_ends is not None:
+            return self._dead_ends
+        if all(f in self.bw_end for f in self.forward if self.saves[f]):
+            self._dead_ends = {}
+            return self._dead_ends
+        death: dict[int, int] = {}
+        readers: dict[int, list[int]] = {}
+        for i, r in enumerate(self.reads):
+            for s in r:
+                death[s] = i
+                if self.phase[i] == "forward":
+                    readers.setdefault(s, []).append(i)
+        for s, i in self.release.items():
+            death[s] = max(death.get(s, -1), i)
+        for s in self.persist:
+            death[s] = self.end
+        end: dict[int, int] = {}
+        for f in reversed(self.forward):
+            if f in self.bw_end:
+                continue
+            e = f
+            for s in self._outputs(f):
+                e = max(e, death.get(s, f))
+                for c in readers.get(s, ()):
+                    if c > f and c in end:
+                        e = max(e, end[c])
+            end[f] = e
+        self._dead_ends = end
+        return end
+
+    def _outputs(self, f: int) -> set[int]:
+        """Storages of the tensors node f's autograd node is the `grad_fn` of: what it makes,
+        its output's, and for an item of a multi-output op (which the saves are attributed to)
+        all of that op's outputs."""
+        out = set(self.new[f])
+        if self.out_storage[f] is not None:
+            out.add(self.out_storage[f])
+        if self.getitem[f]:
+            for j in self.inputs_of[f]:
+                out.update(self.new[j])
+        return out
 
     def position(self, name: str) -> int:
         """Forward position of the forward node called `name`."""
@@ -159,6 +218,13 @@ class IndexArrays:
         """(saver, storage, end of the saver's backward) triples, fixed memory excluded."""
         self.save_storage = np.asarray([s for _, s, _ in saves], dtype=np.int64)
         self.save_end = np.asarray([e for _, _, e in saves], dtype=np.int64)
+        dead = [(f, s, e) for f, e in g.dead_saver_ends().items() for s in g.saves[f]
+                if s not in g.fixed_storages]
+        self.dead_save_node = np.asarray([f for f, _, _ in dead], dtype=np.int64)
+        """(saver, storage, end) triples of the savers that never run backward
+        (`GraphIndex.dead_saver_ends`)."""
+        self.dead_save_storage = np.asarray([s for _, s, _ in dead], dtype=np.int64)
+        self.dead_save_end = np.asarray([e for _, _, e in dead], dtype=np.int64)
         self.maker = np.full(n_st, -1, dtype=np.int64)
         """The op that allocates each storage (-1: a placeholder, fixed memory)."""
         self.alloc = np.zeros(g.n, dtype=np.int64)

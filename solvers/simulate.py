@@ -257,7 +257,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     g = graph_index(p)
     regs = _resolve(p, regions)
     # 1. Original instances: the node index after which each storage is freed (-1: none).
-    last = _original_ends(g, regs)
+    last = _original_ends(g, regs, regions)
 
     # 2. Regions: inputs held by the (outermost) frame; selective saves held until the replay;
     # each region's replay, a parent's before its children's.
@@ -569,10 +569,11 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                    sum(len(g.saves[i]) for i in r.own), tuple(extra))
 
 
-def _original_ends(g, regs: list[_Reg]) -> list[int]:
+def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int]:
     """For every storage, the node index after which its original instance is freed (-1: no
     rule keeps it, `g.end`: the end of the step), before the regions' own rules; vectorized over
-    the profile's (reader, storage) and (saver, storage) pairs (`GraphIndex.arrays`)."""
+    the profile's (reader, storage) and (saver, storage) pairs (`GraphIndex.arrays`). `regions`
+    are the schedule's, those that never replay included."""
     a = g.arrays()
     region_node = np.full(g.n, -1, dtype=np.int64)
     produced_in = np.full(len(g.sbytes), -1, dtype=np.int64)
@@ -598,6 +599,14 @@ def _original_ends(g, regs: list[_Reg]) -> list[int]:
     # Saved by an op outside any region: kept until its backward ran.
     out = region_node[a.save_node] < 0
     np.maximum.at(last, a.save_storage[out], a.save_end[out])
+    # Saved by an op that never runs backward (its output does not reach the loss): kept while
+    # its autograd node lives, unless a checkpoint (any region, replayed or not) packed it.
+    if len(a.dead_save_node):
+        inside = np.zeros(g.n, dtype=bool)
+        for r in regions:
+            inside[g.name_to_i[r.start]:g.name_to_i[r.end] + 1] = True
+        out = ~inside[a.dead_save_node]
+        np.maximum.at(last, a.dead_save_storage[out], a.dead_save_end[out])
     return last.tolist()
 
 

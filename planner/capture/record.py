@@ -284,6 +284,9 @@ class Recording:
     random_skips: list[str] = field(default_factory=list)
     """Modules the model skips at random in training (LayerDrop): the recorded step is a draw
     that runs every one of them."""
+    attribute_stores: list[tuple[int, str]] = field(default_factory=list)
+    """(op, ``module.attribute``) where a forward call left a tensor with an autograd graph in
+    a plain attribute of its module (the op: the call's last)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -420,6 +423,10 @@ class _Recorder(TorchDispatchMode):
         self.module_stack: list[str] = []
         self.calls: list[ModuleCall] = []
         self.call_args: list[tuple[list[int], list[weakref.ref]]] = []
+        self.attribute_stores: list[tuple[int, str]] = []
+        """(last op of the call, ``module.attribute``) for each forward call that left a tensor
+        with an autograd graph in a plain attribute of its module (RecurrentGemma's
+        ``self.recurrent_states = ...``)."""
         self.raised_in: dict[int, str] = {}
         self.seq_owner: dict[int, int] = {}  # autograd node sequence number -> forward op index
         self.last_seq = torch.autograd._get_sequence_nr()
@@ -734,6 +741,10 @@ class _Recorder(TorchDispatchMode):
         starts: list[int] = []
 
         args_of: list[tuple[list[int], list[weakref.ref]]] = []
+        attrs_of: list[dict[str, int]] = []
+
+        def tensor_attrs(mod: torch.nn.Module) -> dict[str, int]:
+            return {k: id(v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
 
         def pre(name):
             def hook(mod, args, kwargs):
@@ -743,6 +754,7 @@ class _Recorder(TorchDispatchMode):
                     self._check_hooks()
                 starts.append(len(self.ops))
                 args_of.append(self._argument_refs((args, kwargs)))
+                attrs_of.append(tensor_attrs(mod))
             return hook
 
         def post(name):
@@ -754,9 +766,14 @@ class _Recorder(TorchDispatchMode):
                     self.module_stack.pop()
                     start = starts.pop()
                     refs = args_of.pop()
+                    before = attrs_of.pop()
                     if self.phase == "forward" and len(self.ops) > start:
                         self.calls.append(ModuleCall(name, start, len(self.ops) - 1))
                         self.call_args.append(refs)
+                        for k, v in vars(mod).items():
+                            if isinstance(v, torch.Tensor) and v.grad_fn is not None \
+                                    and before.get(k) != id(v):
+                                self.attribute_stores.append((len(self.ops) - 1, f"{name}.{k}"))
             return hook
 
         for name, m in model.named_modules():
@@ -1266,6 +1283,7 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
                    for k, v in spec.params.items()},
         input_shapes=input_shapes,
         module_paths=[n for n, _ in spec.model.named_modules()],
+        attribute_stores=[(i + n_ph, a) for i, a in rec.attribute_stores],
         sequential={
             n: list(m._modules)
             for n, m in spec.model.named_modules()
