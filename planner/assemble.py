@@ -83,6 +83,21 @@ def call_blockers(rec: Recording) -> list[str]:
     return out
 
 
+def _read_by(rec: Recording, c) -> set[int]:
+    """Storages the forward ops of call `c` read. A tensor argument the call's ops never read
+    is still kept by its checkpoint (an argument, saved as one), which the simulator counts only
+    for what the region's ops read: such a tensor is counted as held instead."""
+    out: set[int] = set()
+    for r in rec.ops[c.start:c.end + 1]:
+        for j in r.inputs:
+            q = rec.ops[j]
+            if q.storage is not None:
+                out.add(q.storage)
+            else:
+                out.update(q.new_storages)
+    return out
+
+
 def _buffer_rereads(rec: Recording) -> list[tuple[int, int, str]]:
     """(op, later op, buffer name) for each forward op that updates a module buffer in place and
     the first later forward op that reads it again."""
@@ -187,7 +202,7 @@ def to_profile(
             module=c.module, start=names[c.start], end=names[c.end], blocker=b,
             buffers=tuple(sorted({buffer_name[s] for r in rec.ops[c.start:c.end + 1]
                                   for s in r.writes if s in buffer_name})),
-            holds=tuple(sorted(c.holds - fixed)),
+            holds=tuple(sorted((c.holds | (c.args - _read_by(rec, c))) - fixed)),
             children=tuple(rec.sequential.get(c.module, ())),
             **(_stage_fields(rec, st, names, made_at, writes) if st is not None else {}),
         ))

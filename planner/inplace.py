@@ -130,6 +130,30 @@ def _buffer_copies(slots: list[tuple[torch.nn.Module, str]]) -> Iterator[None]:
             mod._buffers[attr] = b
 
 
+def _tensors_as_inputs(fn, args: tuple[Any, ...], kwargs: dict[str, Any]
+                       ) -> tuple[Any, tuple[Any, ...]]:
+    """`fn` as a function of the tensors among `args` and `kwargs` (at any depth of lists,
+    tuples and dicts), and those tensors. The checkpoint saves its tensor inputs, so a nested
+    checkpoint hands them to its parent, whose replay recomputes them: bound into the function
+    instead (keyword arguments, HF's ``hidden_states=``, ``position_embeddings=(cos, sin)``),
+    they would stay alive from forward until the region's backward. Other objects (a cache)
+    stay bound, by reference."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    where = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if not kwargs and len(where) == len(leaves) == len(args):
+        return fn, args
+    template = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+
+    def call(*tensors: Any) -> Any:
+        filled = list(template)
+        for k, t in zip(where, tensors, strict=True):
+            filled[k] = t
+        a, kw = pytree.tree_unflatten(filled, spec)
+        return fn(*a, **kw)
+
+    return call, tuple(leaves[k] for k in where)
+
+
 def _once_each(fn, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
     """`fn` and `args` with each tensor passed once: a tensor given in several positions
     (self-attention's ``query``, ``key``, ``value``) reaches `fn` as one object in all of them.
@@ -253,8 +277,8 @@ class CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._orig(*args, **kwargs)
-        fn = functools.partial(self._orig, **kwargs) if kwargs else self._orig
-        return self._runner.run(fn, *args)
+        fn, tensors = _tensors_as_inputs(self._orig, args, kwargs)
+        return self._runner.run(fn, *tensors)
 
 
 class SegmentedForward:

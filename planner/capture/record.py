@@ -242,9 +242,12 @@ class ModuleCall:
     start: int
     end: int
     holds: frozenset[int] = frozenset()
-    """Storages the call's arguments reach when the forward ends (a KV cache object passed to
-    every layer holds what later layers add to it): a checkpoint of this call keeps its
-    arguments, so these live until the region's backward."""
+    """Storages the objects among the call's arguments reach when the forward ends (a KV cache
+    object passed to every layer holds what later layers add to it): a checkpoint of this call
+    keeps its arguments, so these live until the region's backward."""
+    args: frozenset[int] = frozenset()
+    """Storages of the tensors among the call's arguments, positional or keyword, at any depth
+    of lists, tuples and dicts: `planner.inplace` passes each to the checkpoint as a tensor."""
 
 
 @dataclass(frozen=True)
@@ -433,6 +436,7 @@ class _Recorder(TorchDispatchMode):
         self.packs: list[tuple[int, int]] = []  # (sequence number, storage id)
         self.release_at: dict[int, int] = {}
         self.counts: dict[str, int] = {}
+        self.placeholder_names: set[str] = set()
         self.fixed_kind: dict[int, str] = {}  # storage id -> "param"/"buffer"/"input"
         self.buffer_sids: set[int] = set()
         self.entered: set[str] = set()
@@ -482,6 +486,7 @@ class _Recorder(TorchDispatchMode):
             self.buffer_sids.add(sid)
         rec = OpRecord(name=name, op="placeholder", phase=kind, module=name, storage=sid,
                        new_storages=[sid])
+        self.placeholder_names.add(name)
         self.owner[sid] = -1 - len(self.placeholders)
         self.placeholders.append(rec)
 
@@ -500,9 +505,15 @@ class _Recorder(TorchDispatchMode):
         return sid
 
     def _name(self, base: str) -> str:
+        """A fresh node name: the op's name, numbered, never a placeholder's (a parameter the
+        model calls ``cos`` or ``embedding``)."""
         k = self.counts.get(base, 0)
-        self.counts[base] = k + 1
-        return f"{base}_{k}" if k else base
+        while True:
+            name = f"{base}_{k}" if k else base
+            k += 1
+            if name not in self.placeholder_names:
+                self.counts[base] = k
+                return name
 
     # -- ops ----------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -676,16 +687,14 @@ class _Recorder(TorchDispatchMode):
 
     # -- modules ------------------------------------------------------------------------------
     def _argument_refs(self, args: Any) -> tuple[list[int], list[weakref.ref]]:
-        """What a checkpoint of this call keeps besides its inputs: the storages of its keyword
-        tensors (`planner.inplace` binds keyword arguments into the function the frame keeps;
-        positional tensors are the checkpoint's inputs, which a nested checkpoint hands to its
-        parent), and weak references to the other objects it was given (a cache object), whose
-        tensors are looked up when forward ends."""
-        positional, keywords = args
+        """The storages of the call's tensor arguments (`planner.inplace` passes every tensor
+        leaf of its positional and keyword arguments to the checkpoint as an input, which a
+        nested checkpoint hands to its parent), and weak references to the other objects it was
+        given (a cache object, which the frame keeps), whose tensors are looked up when forward
+        ends."""
         sids: list[int] = []
         objs: list[weakref.ref] = []
-        leaves = [x for x in pytree.tree_leaves(positional) if not isinstance(x, torch.Tensor)]
-        for leaf in leaves + pytree.tree_leaves(keywords):
+        for leaf in pytree.tree_leaves(args):
             if isinstance(leaf, torch.Tensor):
                 sids.append(self.sid(leaf))
             elif not isinstance(leaf, int | float | bool | str | bytes | type(None)
@@ -698,7 +707,7 @@ class _Recorder(TorchDispatchMode):
         """Storages each call's arguments reach now (at the end of forward)."""
         reach: dict[int, frozenset[int]] = {}
         for k, (sids, objs) in enumerate(self.call_args):
-            held = set(sids)
+            held: set[int] = set()
             for r in objs:
                 obj = r()
                 if obj is None:
@@ -708,7 +717,7 @@ class _Recorder(TorchDispatchMode):
                     reach[key] = frozenset(self._reachable_storages(obj))
                 held |= reach[key]
             c = self.calls[k]
-            self.calls[k] = ModuleCall(c.module, c.start, c.end, frozenset(held))
+            self.calls[k] = ModuleCall(c.module, c.start, c.end, frozenset(held), frozenset(sids))
 
     def _reachable_storages(self, obj: Any, depth: int = 4) -> set[int]:
         out: set[int] = set()
@@ -1267,7 +1276,8 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
     def owner_of(sid: int) -> int:
         return shift(rec.owner[sid])
 
-    calls = [ModuleCall(c.module, c.start + n_ph, c.end + n_ph, c.holds) for c in rec.calls]
+    calls = [ModuleCall(c.module, c.start + n_ph, c.end + n_ph, c.holds, c.args)
+             for c in rec.calls]
     # by first op, the outer of two calls first (also where they span the same ops)
     calls.sort(key=lambda c: (c.start, -c.end, c.module.count(".") + (c.module != "")))
     named = dict(spec.model.named_parameters())

@@ -927,3 +927,26 @@ def test_a_call_that_stores_a_tensor_with_its_graph_on_a_module_is_no_region():
         assert v.measured_peak_bytes <= v.predicted_peak_bytes <= 1.01 * v.measured_peak_bytes
     finally:
         remove(model)
+
+
+def test_parameters_named_like_ops_profile():
+    """Node names are op names, numbered; a top-level parameter called ``cos`` or ``exp`` (its
+    node is named after it) made the first ``cos`` op's node a duplicate, and the profile was
+    refused as malformed."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cos = nn.Parameter(torch.randn(64))
+            self.exp = nn.Parameter(torch.randn(64))
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.lin(x * torch.cos(self.cos) + torch.exp(self.exp).sin())
+
+    model, x = M(), torch.randn(256, 64)
+    prof = profile(model, x, repeats=1)
+    names = [n.name for n in prof.nodes]
+    assert len(names) == len(set(names)) and {"cos", "exp"} <= set(names)
+    assert simulate(prof).peak_bytes == pytest.approx(measure(model, x, repeats=1).peak_bytes,
+                                                      rel=1e-3)

@@ -299,3 +299,73 @@ def test_segments_nest_or_are_disjoint(segments, ok):
         with pytest.raises(ScheduleError, match="overlap or are out of range"):
             apply_schedule(model, Schedule(regions=regions))
     assert "forward" not in model.__dict__
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, position_embeddings=None):
+        q, k, v = self.qkv(hidden_states).chunk(3, dim=-1)
+        cos, sin = position_embeddings
+        q, k = q * cos + k * sin, k * cos - q * sin
+        a = torch.softmax(q @ k.transpose(-1, -2) / 8, dim=-1)
+        return self.proj(a @ v)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, dim: int, keyword: bool):
+        super().__init__()
+        self.norm, self.attn, self.keyword = torch.nn.LayerNorm(dim), _Attn(dim), keyword
+
+    def forward(self, x, pos):
+        h = self.norm(x)
+        if self.keyword:  # as HF's decoder layers call their attention
+            return x + self.attn(hidden_states=h, position_embeddings=pos)
+        return x + self.attn(h, pos)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, keyword: bool, dim: int = 64, layers: int = 4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer(dim, keyword) for _ in range(layers))
+        self.cos = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        pos = (self.cos * 1.0, torch.sin(self.cos))
+        for layer in self.layers:
+            x = layer(x, pos)
+        return x
+
+
+def test_keyword_tensors_of_a_nested_region_are_handed_over_like_positional_ones():
+    """An attention nested in its checkpointed layer, called with keyword tensors (and a tuple
+    of them), as HF layers call theirs: the region passes every tensor to the checkpoint as an
+    input, so the layer's replay recomputes them instead of the frame keeping them from forward
+    (Llama's smallest peak fell by 6 MiB at the benchmark size). Same measured peak as the
+    positional call, as predicted, same gradients."""
+    peaks = {}
+    for keyword in (False, True):
+        torch.manual_seed(0)
+        model, x = _Stack(keyword).train(), torch.randn(8, 128, 64)
+
+        def loss_fn(out):
+            return out.pow(2).mean()
+
+        prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
+        assert not any(c.holds for c in prof.calls)
+        by_module = {s.call.module: s for s in useful_calls(prof) if s.segment is None}
+        spans = sorted((by_module[f"layers.{i}{m}"] for i in range(4) for m in ("", ".attn")),
+                       key=lambda s: (s.a, -s.b))
+        regions = bind(prof, tuple(region(prof, s.a, s.b) for s in spans))
+        reference = _grads(model, x, loss_fn)
+        _check(prof, model, x, loss_fn, regions, reference)
+        apply_schedule(model, Schedule(regions=regions))
+        try:
+            peaks[keyword] = measure(model, x, loss_fn, repeats=1).peak_bytes
+        finally:
+            remove(model)
+        assert simulate(prof, Schedule(regions=regions)).peak_bytes == pytest.approx(
+            peaks[keyword], rel=1e-3)
+    assert peaks[True] == pytest.approx(peaks[False], rel=1e-3)
