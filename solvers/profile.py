@@ -121,9 +121,10 @@ class ModuleCall:
     buffers: tuple[str, ...] = ()
     """Buffers the call updates in place (BatchNorm running statistics), by dotted name."""
     holds: tuple[int, ...] = ()
-    """Storages the call's arguments reach when forward ends, beyond what its ops read (a KV
-    cache passed to every layer holds what later layers add): a checkpointed region keeps its
-    arguments, so these live until the region's backward."""
+    """Storages a checkpoint of the call keeps by reference beyond the tensors its ops read:
+    what the objects among its arguments reach when forward ends (a KV cache passed to every
+    layer holds what later layers add), and tensor arguments its ops never read. They live
+    until the region's backward."""
     children: tuple[str, ...] = ()
     """For a module whose forward is `torch.nn.Sequential`'s (each child's output is the next
     child's input, nothing in between): its children's names, in order. Any run of consecutive

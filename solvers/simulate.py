@@ -29,7 +29,8 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
 - A region with random ops stashes the CPU RNG state (`preserve_rng_state`) from its forward to
   its backward, and `fork_rng` keeps another copy for the whole of its replay. A region nested in
   a replayed one runs its checkpoint again inside the replay: the new frame (its own RNG state,
-  and the tensors its keyword arguments reach, bound in its function) lives until the replay
+  and what it keeps by reference: the tensors the objects among its arguments reach, a cache,
+  and tensor arguments its ops never read, `ModuleCall.holds`) lives until the replay
   returns. (The RNG state is host memory on a GPU, counted on CPU only.)
 - With an optimizer, the step ends with its update: parameters, gradients, optimizer state and the
   optimizer's transient memory.
@@ -270,9 +271,10 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     replay_freed: set[int] = set()  # originals (selective saves) that die inside a replay
 
     def handed(c: int) -> set[int]:
-        """The inputs region `c` takes from its parent's replay: its positional tensors (a nested
-        checkpoint saves them to its parent). Keyword tensors stay bound in the function its own
-        frame keeps from forward (`ModuleCall.holds`), so its replay reads the originals."""
+        """The inputs region `c` takes from its parent's replay: its tensor arguments, positional
+        or keyword (`planner.inplace` passes them to the checkpoint, which a nested checkpoint
+        saves to its parent). What its frame keeps by reference from forward (`ModuleCall.holds`:
+        tensors reached through objects, a cache) its replay reads as the originals."""
         return regs[c].inputs - set(regs[c].holds)
 
     def keep_for(s: int, c: int) -> int:
@@ -303,8 +305,8 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
 
     def calls_in(k: int) -> tuple[bool, list[tuple[int, bool, tuple[int, ...]]]]:
         """Whether region k's replay stashes the CPU RNG state (`fork_rng`), and the regions
-        nested in it at any depth, each as (first node, random, storages its keyword arguments
-        reach): their checkpoint calls run again inside k's replay."""
+        nested in it at any depth, each as (first node, random, storages its frame keeps by
+        reference, `ModuleCall.holds`): their checkpoint calls run again inside k's replay."""
         out, todo = [], list(regs[k].children)
         while todo:
             d = todo.pop()
@@ -476,9 +478,9 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     `calls` (`_simulate`'s ``calls_in``): whether the replay stashes the RNG state, and the
     regions nested in `r`. A nested region whose call starts in the replay runs its checkpoint
     again, making a new frame that lives until the replay returns (the replay's autograd graph
-    holds it): the frame keeps the call's keyword arguments (bound in its function) and, for a
-    random region, a copy of the CPU RNG state, as `fork_rng` keeps one for the whole replay of
-    a random region. A nested call starting right after the early stop stashes its copy and
+    holds it): the frame keeps what the call's arguments hold by reference (`ModuleCall.holds`)
+    and, for a random region, a copy of the CPU RNG state, as `fork_rng` keeps one for the whole
+    replay of a random region. A nested call starting right after the early stop stashes its copy and
     unwinds at once.
 
     `with_ops`: also list the replayed ops one by one (`_Replay.ops`, for the timeline sweep);
