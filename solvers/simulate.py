@@ -356,6 +356,17 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                 a = r.nodes[0]
                 extra_alloc[a] = extra_alloc.get(a, 0) + g.rng_state_bytes
                 extra_free[r.bw_end] = extra_free.get(r.bw_end, 0) + g.rng_state_bytes
+        # A region none of whose ops runs backward (over an output the loss does not use)
+        # never replays, but its checkpoint stashed the RNG state in forward; the frame lives
+        # while the region's autograd graph does (`GraphIndex.dead_ends`).
+        dead = g.dead_ends()
+        for r in regions if dead else ():
+            i, j = g.name_to_i[r.start], g.name_to_i[r.end]
+            span = [k for k in range(i, j + 1) if g.phase[k] == "forward"]
+            if span and all(k in dead for k in span) and any(g.random[k] for k in span):
+                extra_alloc[span[0]] = extra_alloc.get(span[0], 0) + g.rng_state_bytes
+                end = max(dead[k] for k in span)
+                extra_free[end] = extra_free.get(end, 0) + g.rng_state_bytes
 
     if not timeline:
         return _sweep(g, last, held, replay_at, replay_ops, replay_freed, extra_alloc,

@@ -856,7 +856,7 @@ class _DroppedBranch(nn.Module):
         super().__init__()
         self.trunk = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
         self.branch = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256),
-                                    nn.Linear(256, 64))
+                                    nn.Dropout(0.1), nn.Linear(256, 64))
         self.head = nn.Linear(64, 4)
 
     def forward(self, x):
@@ -868,9 +868,10 @@ class _DroppedBranch(nn.Module):
 def test_a_branch_the_loss_does_not_use_keeps_its_saves_until_it_dies():
     """What a dropped branch saved lives until the end of forward (the model drops the output
     there): predicted to the measured peak, unplanned and planned (a region over the branch
-    frees its saves at once, as checkpoint packs them)."""
+    frees its saves at once, as checkpoint packs them, but it never replays and its frame keeps
+    the RNG state it stashed while the branch lives)."""
     torch.manual_seed(0)
-    model, x = _DroppedBranch().train(), torch.randn(512, 64)
+    model, x = _DroppedBranch().train(), torch.randn(128, 64)
     prof = profile(model, x, repeats=1)
     branch = [n for n in prof.nodes if n.module.startswith("branch") and n.saves]
     assert branch and not any(n.name in {m.grad_of for m in prof.nodes} for n in branch)
@@ -885,7 +886,7 @@ def test_a_branch_the_loss_does_not_use_keeps_its_saves_until_it_dies():
             measured = measure(model, x, repeats=1).peak_bytes
         finally:
             remove(model)
-        assert simulate(prof, sched).peak_bytes == pytest.approx(measured, rel=1e-3), mods
+        assert simulate(prof, sched).peak_bytes == pytest.approx(measured, rel=1e-4), mods
 
 
 class _KeepsState(nn.Module):
