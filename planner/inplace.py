@@ -132,26 +132,46 @@ def _buffer_copies(slots: list[tuple[torch.nn.Module, str]]) -> Iterator[None]:
 
 def _tensors_as_inputs(fn, args: tuple[Any, ...], kwargs: dict[str, Any]
                        ) -> tuple[Any, tuple[Any, ...]]:
-    """`fn` as a function of the tensors among `args` and `kwargs` (at any depth of lists,
-    tuples and dicts), and those tensors. The checkpoint saves its tensor inputs, so a nested
-    checkpoint hands them to its parent, whose replay recomputes them: bound into the function
-    instead (keyword arguments, HF's ``hidden_states=``, ``position_embeddings=(cos, sin)``),
-    they would stay alive from forward until the region's backward. Other objects (a cache)
-    stay bound, by reference."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    where = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    if not kwargs and len(where) == len(leaves) == len(args):
+    """`fn` as a function of `args` followed by the keyword tensors of `kwargs` (a tensor value,
+    or the tensors of a plain tuple value), and those arguments. The checkpoint saves its tensor
+    inputs, so a nested checkpoint hands them to its parent, whose replay recomputes them: bound
+    into the function instead (HF's ``hidden_states=``, ``position_embeddings=(cos, sin)``),
+    they would stay alive from forward until the region's backward. Every other value (a list
+    the call may append to, a cache, a ``torch.Size``) is passed as the very object it was."""
+    if not kwargs:
         return fn, args
-    template = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+    tensors: list[torch.Tensor] = []
+    plan: list[tuple[str, Any]] = []  # (name, value | marker of what to rebuild)
+    for name, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            plan.append((name, _TENSOR))
+            tensors.append(v)
+        elif type(v) is tuple and any(isinstance(x, torch.Tensor) for x in v):
+            plan.append((name, tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in v)))
+            tensors.extend(x for x in v if isinstance(x, torch.Tensor))
+        else:
+            plan.append((name, v))
+    if not tensors:
+        return functools.partial(fn, **kwargs), args
+    n = len(args)
 
-    def call(*tensors: Any) -> Any:
-        filled = list(template)
-        for k, t in zip(where, tensors, strict=True):
-            filled[k] = t
-        a, kw = pytree.tree_unflatten(filled, spec)
-        return fn(*a, **kw)
+    def call(*given: Any) -> Any:
+        it = iter(given[n:])
+        kw = {}
+        for name, v in plan:
+            if v is _TENSOR:
+                kw[name] = next(it)
+            elif type(v) is tuple and any(x is _TENSOR for x in v):
+                kw[name] = tuple(next(it) if x is _TENSOR else x for x in v)
+            else:
+                kw[name] = v
+        return fn(*given[:n], **kw)
 
-    return call, tuple(leaves[k] for k in where)
+    return call, (*args, *tensors)
+
+
+_TENSOR = object()
+"""Marks where `_tensors_as_inputs` puts a keyword tensor back."""
 
 
 def _once_each(fn, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:

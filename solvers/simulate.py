@@ -271,10 +271,11 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     replay_freed: set[int] = set()  # originals (selective saves) that die inside a replay
 
     def handed(c: int) -> set[int]:
-        """The inputs region `c` takes from its parent's replay: its tensor arguments, positional
-        or keyword (`planner.inplace` passes them to the checkpoint, which a nested checkpoint
-        saves to its parent). What its frame keeps by reference from forward (`ModuleCall.holds`:
-        tensors reached through objects, a cache) its replay reads as the originals."""
+        """The inputs region `c` takes from its parent's replay: the tensors `planner.inplace`
+        passes to its checkpoint (positional and keyword tensors, those of a tuple given by
+        keyword), which a nested checkpoint saves to its parent. What its frame keeps by
+        reference from forward (`ModuleCall.holds`: tensors inside a list or dict argument, or
+        reached through an object, a cache) its replay reads as the originals."""
         return regs[c].inputs - set(regs[c].holds)
 
     def keep_for(s: int, c: int) -> int:

@@ -246,8 +246,8 @@ class ModuleCall:
     object passed to every layer holds what later layers add to it): a checkpoint of this call
     keeps its arguments, so these live until the region's backward."""
     args: frozenset[int] = frozenset()
-    """Storages of the tensors among the call's arguments, positional or keyword, at any depth
-    of lists, tuples and dicts: `planner.inplace` passes each to the checkpoint as a tensor."""
+    """Storages of the tensors the call takes that `planner.inplace` passes to the checkpoint as
+    inputs (positional and keyword tensors, the tensors of a plain tuple given by keyword)."""
 
 
 @dataclass(frozen=True)
@@ -425,7 +425,7 @@ class _Recorder(TorchDispatchMode):
         self.phases: list[str] = []
         self.module_stack: list[str] = []
         self.calls: list[ModuleCall] = []
-        self.call_args: list[tuple[list[int], list[weakref.ref]]] = []
+        self.call_args: list[tuple[list[int], list[int], list[weakref.ref]]] = []
         self.attribute_stores: list[tuple[int, str]] = []
         """(last op of the call, ``module.attribute``) for each forward call that left a tensor
         with an autograd graph in a plain attribute of its module (RecurrentGemma's
@@ -686,28 +686,50 @@ class _Recorder(TorchDispatchMode):
     _device: torch.device | None = None
 
     # -- modules ------------------------------------------------------------------------------
-    def _argument_refs(self, args: Any) -> tuple[list[int], list[weakref.ref]]:
-        """The storages of the call's tensor arguments (`planner.inplace` passes every tensor
-        leaf of its positional and keyword arguments to the checkpoint as an input, which a
-        nested checkpoint hands to its parent), and weak references to the other objects it was
-        given (a cache object, which the frame keeps), whose tensors are looked up when forward
-        ends."""
-        sids: list[int] = []
+    def _argument_refs(self, args: Any) -> tuple[list[int], list[int], list[weakref.ref]]:
+        """What a checkpoint of this call gets (`planner.inplace`): the storages of the tensors
+        it takes as inputs (positional tensors, keyword tensors and the tensors of a plain tuple
+        given by keyword: a nested checkpoint hands them to its parent), the storages of the
+        tensors it keeps by reference inside the other values (a list, a dict), and weak
+        references to the objects among those values (a cache object), whose tensors are looked
+        up when forward ends."""
+        positional, keywords = args
+        inputs: list[int] = []
+        held: list[int] = []
         objs: list[weakref.ref] = []
-        for leaf in pytree.tree_leaves(args):
-            if isinstance(leaf, torch.Tensor):
-                sids.append(self.sid(leaf))
-            elif not isinstance(leaf, int | float | bool | str | bytes | type(None)
-                                | torch.dtype | torch.device):
-                with contextlib.suppress(TypeError):  # objects without weakref support
-                    objs.append(weakref.ref(leaf))
-        return sids, objs
+
+        def by_reference(value: Any) -> None:
+            for leaf in pytree.tree_leaves(value):
+                if isinstance(leaf, torch.Tensor):
+                    held.append(self.sid(leaf))
+                elif not isinstance(leaf, int | float | bool | str | bytes | type(None)
+                                    | torch.dtype | torch.device):
+                    with contextlib.suppress(TypeError):  # objects without weakref support
+                        objs.append(weakref.ref(leaf))
+
+        for v in positional:
+            if isinstance(v, torch.Tensor):
+                inputs.append(self.sid(v))
+            else:
+                by_reference(v)
+        for v in keywords.values():
+            if isinstance(v, torch.Tensor):
+                inputs.append(self.sid(v))
+            elif type(v) is tuple and any(isinstance(x, torch.Tensor) for x in v):
+                for x in v:
+                    if isinstance(x, torch.Tensor):
+                        inputs.append(self.sid(x))
+                    else:
+                        by_reference(x)
+            else:
+                by_reference(v)
+        return inputs, held, objs
 
     def resolve_holds(self) -> None:
         """Storages each call's arguments reach now (at the end of forward)."""
         reach: dict[int, frozenset[int]] = {}
-        for k, (sids, objs) in enumerate(self.call_args):
-            held: set[int] = set()
+        for k, (sids, by_ref, objs) in enumerate(self.call_args):
+            held: set[int] = set(by_ref)
             for r in objs:
                 obj = r()
                 if obj is None:
@@ -749,7 +771,7 @@ class _Recorder(TorchDispatchMode):
         handles = []
         starts: list[int] = []
 
-        args_of: list[tuple[list[int], list[weakref.ref]]] = []
+        args_of: list[tuple[list[int], list[int], list[weakref.ref]]] = []
         attrs_of: list[dict[str, int]] = []
 
         def tensor_attrs(mod: torch.nn.Module) -> dict[str, int]:

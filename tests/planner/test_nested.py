@@ -20,7 +20,7 @@ from planner.capture.record import default_loss
 from planner.inplace import SegmentedForward, StagedForward, apply_schedule, remove
 from planner.measurement import measure
 from solvers import Region, Schedule, ScheduleError
-from solvers.chain import bind, region, useful_calls
+from solvers.chain import bind, candidate_calls, region, useful_calls
 from solvers.simulate import peak_breakdown, simulate
 from solvers.solve import lowest, pareto, smallest_peak, solve
 from tests.models import call, hf_llama
@@ -354,7 +354,8 @@ def test_keyword_tensors_of_a_nested_region_are_handed_over_like_positional_ones
             return out.pow(2).mean()
 
         prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
-        assert not any(c.holds for c in prof.calls)
+        if keyword:  # its tensors are the checkpoint's inputs, nothing is held by reference
+            assert not any(c.holds for c in prof.calls if c.module.endswith("attn"))
         by_module = {s.call.module: s for s in useful_calls(prof) if s.segment is None}
         spans = sorted((by_module[f"layers.{i}{m}"] for i in range(4) for m in ("", ".attn")),
                        key=lambda s: (s.a, -s.b))
@@ -369,3 +370,43 @@ def test_keyword_tensors_of_a_nested_region_are_handed_over_like_positional_ones
         assert simulate(prof, Schedule(regions=regions)).peak_bytes == pytest.approx(
             peaks[keyword], rel=1e-3)
     assert peaks[True] == pytest.approx(peaks[False], rel=1e-3)
+
+
+class _Collects(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, *, seen: list, shape: torch.Size, scale=(None, 2.0)):
+        assert isinstance(shape, torch.Size) and scale[0] is None
+        seen.append(x.shape[0])  # a list the caller reads back: the same object
+        return self.lin(x).reshape(shape) * scale[1]
+
+
+def test_keyword_values_other_than_tensors_reach_the_module_as_given():
+    """Only keyword tensors (and the tensors of a plain tuple) become checkpoint inputs: a list
+    the call appends to, a torch.Size and other values reach the module as the very objects
+    given, in forward and in the replay."""
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _Collects()
+
+        def forward(self, x, seen):
+            return self.inner(x, seen=seen, shape=torch.Size([x.shape[0], 16]),
+                              scale=(None, torch.tensor(2.0)))
+
+    torch.manual_seed(0)
+    model, x = Outer().train(), torch.randn(8, 16)
+    seen: list = []
+    prof = planner.profile(model, {"x": x, "seen": seen}, repeats=1)
+    (inner,) = [s for s in candidate_calls(prof) if s.call.module == "inner"]
+    regions = bind(prof, (region(prof, inner.a, inner.b),))
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        seen.clear()
+        model(x, seen).sum().backward()
+    finally:
+        remove(model)
+    assert seen == [8, 8]  # forward, then the replay
