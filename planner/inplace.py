@@ -42,7 +42,7 @@ from torch.utils.checkpoint import (
 )
 
 from planner.capture.record import op_name
-from planner.stages import Pattern, trace
+from planner.stages import Pattern, nest, trace
 from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.schedule import Region, Schedule
 
@@ -312,7 +312,7 @@ class SegmentedForward:
         self.regions = sorted(regions, key=lambda r: r.segment)
         self._runners = _segment_runners(self.regions, len(module), 2, "children",
                                          repr(regions[0].module), root)
-        self._items = _nest(0, len(module) - 1, self._runners)
+        self._items = nest(0, len(module) - 1, self._runners)
         functools.update_wrapper(self, type(module).forward.__get__(module))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SegmentedForward:
@@ -320,7 +320,7 @@ class SegmentedForward:
         new.__dict__.update(self.__dict__)
         new.module = memo.get(id(self.module), self.module)
         new._runners = [(i, j, r.remap(memo)) for i, j, r in self._runners]
-        new._items = _nest(0, len(self.module) - 1, new._runners)  # new.module: half-copied
+        new._items = nest(0, len(self.module) - 1, new._runners)  # new.module: half-copied
         new.__wrapped__ = type(new.module).forward.__get__(new.module)
         return new
 
@@ -400,31 +400,14 @@ def _segment_runners(regions: list[Region], n: int, least: int, of: str, where: 
     return [(*r.segment, _RegionRunner(r, root)) for r in regions]
 
 
-def _nest(lo: int, hi: int, segments: list[tuple[int, int, Any]]) -> tuple:
-    """Positions lo..hi as a tree: a position not in any segment among `segments` (all inside
-    lo..hi) as itself, each outermost segment as (its runner, the tree of its positions)."""
-    out: list = []
-    k = lo
-    while k <= hi:
-        starting = [s for s in segments if s[0] == k]
-        if not starting:
-            out.append(k)
-            k += 1
-            continue
-        i, j, runner = max(starting, key=lambda s: s[1])
-        inner = [s for s in segments if i <= s[0] and s[1] <= j and (s[0], s[1]) != (i, j)]
-        out.append((runner, _nest(i, j, inner)))
-        k = j + 1
-    return tuple(out)
-
-
 def _run_children(children: list[torch.nn.Module], items: tuple, input: Any) -> Any:
-    """The children in `items` (`_nest`'s tree) in order, each segment under its runner."""
+    """The children in `items` (`planner.stages.nest`'s tree) in order, each segment under its
+    runner."""
     for item in items:
         if isinstance(item, int):
             input = children[item](input)
         else:
-            runner, inner = item
+            (_, _, runner), inner = item
             input = runner.run(functools.partial(_run_children, children, inner), input)
     return input
 

@@ -209,7 +209,7 @@ class StagedGraph:
         env: dict[fx.Node, fx.Node] = {}
         for p in self.placeholders:
             env[p] = g.placeholder(p.name)
-        self._emit(g, env, 0, len(self.exec) - 1, list(segments), module)
+        self._emit(g, env, nest(0, len(self.exec) - 1, list(segments)), module)
         g.output(fx.node.map_arg(self.output.args[0], lambda a: env[a]))
         fn = _compile(g, module)
         sig = self.signature
@@ -221,35 +221,48 @@ class StagedGraph:
 
         return forward
 
-    def _emit(self, g: fx.Graph, env: dict[fx.Node, fx.Node], lo: int, hi: int,
-              segments: list[tuple[int, int, Callable]], module: torch.nn.Module) -> None:
-        """Exec nodes lo..hi into `g`, each outermost segment among `segments` (all inside
-        lo..hi) as one call."""
-        k = lo
-        while k <= hi:
-            starting = [s for s in segments if s[0] == k]
-            if not starting:
-                env[self.exec[k]] = g.node_copy(self.exec[k], lambda a: env[a])
-                k += 1
+    def _emit(self, g: fx.Graph, env: dict[fx.Node, fx.Node], items: tuple,
+              module: torch.nn.Module) -> None:
+        """Exec nodes of `items` (`nest`'s tree) into `g`, each segment as one call."""
+        for item in items:
+            if isinstance(item, int):
+                env[self.exec[item]] = g.node_copy(self.exec[item], lambda a: env[a])
                 continue
-            i, j, runner = max(starting, key=lambda s: s[1])
-            inner = [s for s in segments if i <= s[0] and s[1] <= j and (s[0], s[1]) != (i, j)]
+            (i, j, runner), inner = item
             ins, outs = self.io(i, j)
             call = g.call_function(
                 _segment_call(self._segment_code(module, i, j, inner), runner, i, j),
                 tuple(env[a] for a in ins))
             for idx, o in enumerate(outs):
                 env[o] = g.call_function(operator.getitem, (call, idx))
-            k = j + 1
 
     def _segment_code(self, module: torch.nn.Module, i: int, j: int,
-                      inner: list[tuple[int, int, Callable]]) -> Callable[..., Any]:
+                      inner: tuple) -> Callable[..., Any]:
         ins, outs = self.io(i, j)
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {a: g.placeholder(a.name) for a in ins}
-        self._emit(g, env, i, j, inner, module)
+        self._emit(g, env, inner, module)
         g.output(tuple(env[o] for o in outs))
         return _compile(g, module)
+
+
+def nest(lo: int, hi: int, segments: list[tuple[int, int, Any]]) -> tuple:
+    """Positions lo..hi as a tree: a position in no segment among `segments` (each (first,
+    last, payload), all inside lo..hi, nested or disjoint) as itself, each outermost segment as
+    ((first, last, payload), the tree of its positions)."""
+    out: list = []
+    k = lo
+    while k <= hi:
+        starting = [s for s in segments if s[0] == k]
+        if not starting:
+            out.append(k)
+            k += 1
+            continue
+        i, j, payload = max(starting, key=lambda s: s[1])
+        inner = [s for s in segments if i <= s[0] and s[1] <= j and (s[0], s[1]) != (i, j)]
+        out.append(((i, j, payload), nest(i, j, inner)))
+        k = j + 1
+    return tuple(out)
 
 
 def _compile(g: fx.Graph, module: torch.nn.Module) -> Callable[..., Any]:

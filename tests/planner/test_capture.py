@@ -905,9 +905,9 @@ class _KeepsState(nn.Module):
 
 
 def test_a_call_that_stores_a_tensor_with_its_graph_on_a_module_is_no_region():
-    """A replay would store the recomputed state, keeping the replay's tensors alive (a
-    RecurrentGemma plan measured 20% above its prediction): the call and every call around it
-    are not regions, the rest is planned, and the plan fits as predicted."""
+    """A replay would store the recomputed state, keeping the replay's tensors alive (found on
+    RecurrentGemma): the call and every call around it are not regions, the rest is planned,
+    and the plan fits as predicted."""
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(32, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
                         nn.Linear(512, 32))

@@ -341,9 +341,9 @@ class _Stack(torch.nn.Module):
 
 def test_keyword_tensors_of_a_nested_region_are_handed_over_like_positional_ones():
     """An attention nested in its checkpointed layer, called with keyword tensors (and a tuple
-    of them), as HF layers call theirs: the region passes every tensor to the checkpoint as an
-    input, so the layer's replay recomputes them instead of the frame keeping them from forward
-    (Llama's smallest peak fell by 6 MiB at the benchmark size). Same measured peak as the
+    of them), as HF layers call theirs: the region passes those tensors to the checkpoint as
+    inputs, so the layer's replay recomputes them instead of the frame keeping them from
+    forward. Same measured peak as the
     positional call, as predicted, same gradients."""
     peaks = {}
     for keyword in (False, True):
