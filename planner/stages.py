@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["Pattern", "StagedGraph", "call_pattern", "stageable", "trace"]
+__all__ = ["Pattern", "StagedGraph", "call_pattern", "nest", "stageable", "trace"]
 
 _TENSOR = "<tensor>"
 
