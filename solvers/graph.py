@@ -103,6 +103,21 @@ class GraphIndex:
                     self.persist.add(out_storage[j])
                 self.persist.update(self.new[j])
         self.fixed_bytes = p.fixed_bytes
+        # Autocast's cached casts: under `torch.autocast`, the first op that needs a parameter
+        # in the lower precision casts it and every later op of the same autocast block reuses
+        # that copy from autocast's cache, so the cast is recorded once, where it first ran.
+        # A region's replay runs in an autocast block of its own (checkpoint re-enters autocast
+        # in backward, with an empty cache), so a replay that reads a cast made outside its
+        # region casts again: a copy of its own, not the original and not a region input.
+        ac = {}
+        if p.meta.autocast:
+            for i, nd in enumerate(nodes):
+                if (nd.phase == "forward" and nd.op == "aten._to_copy.default"
+                        and len(nd.inputs) == 1 and out_storage[i] is not None
+                        and nodes[self.name_to_i[nd.inputs[0]]].phase == "param"):
+                    ac[out_storage[i]] = i
+        self.autocast_casts: dict[int, int] = ac
+        """Storages of parameters cast by autocast (from its cache) -> the node that cast them."""
         self.call_holds = {(c.start, c.end): c.holds for c in p.calls if c.holds}
         self.has_optimizer = bool(p.optimizer_state_bytes or p.optimizer_step_bytes)
         self.optimizer_step_bytes = p.optimizer_step_bytes

@@ -32,6 +32,13 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   and what it keeps by reference: the tensors the objects among its arguments reach, a cache,
   and tensor arguments its ops never read, `ModuleCall.holds`) lives until the replay
   returns. (The RNG state is host memory on a GPU, counted on CPU only.)
+- Under `torch.autocast`, a parameter cast to the lower precision is made by the first op that
+  needs it and taken from autocast's cache by every later op of the same autocast block, until
+  the block ends (`GraphIndex.autocast_casts`). A replay runs in an autocast block of its own:
+  where its ops read a cast made outside the region (a module called several times with one set
+  of weights), it casts again, as its first reader replays; that copy lives until the replay
+  returns, or until the backward of the replayed nodes that save it, and the region's backward
+  reads it, not the original. Such a cast is not one of the region's inputs.
 - With an optimizer, the step ends with its update: parameters, gradients, optimizer state and the
   optimizer's transient memory.
 
@@ -159,8 +166,11 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
         if span is None:  # the same span recurs in many schedules
             nodes = [i for i in range(a, b + 1) if g.phase[i] == "forward"]
             made = frozenset(s for i in nodes for s in g.new[i])
+            # A parameter autocast cast outside the region is not an input: the replay casts
+            # it again (`GraphIndex.autocast_casts`).
             span = g.spans[(a, b)] = (nodes, made,
-                                      frozenset(s for i in nodes for s in g.reads[i]) - made)
+                                      frozenset(s for i in nodes for s in g.reads[i]) - made
+                                      - g.autocast_casts.keys())
         nodes, produced, inputs = span
         saved = set()
         for name in r.saved:
@@ -538,6 +548,28 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     ops = []
     held: dict[int, int] = {}
     recompute_ms = 0.0
+    # Parameters autocast cast outside the region: the replay casts each again as its first
+    # replayed reader runs (its autocast block starts with an empty cache); autocast's cache
+    # keeps the copy until the replay returns, and the replayed ops that save it until their
+    # backward.
+    recast: dict[int, list[int]] = {}  # position of the first replayed reader -> storages
+    if g.autocast_casts:
+        first: dict[int, int] = {}
+        for pos, i in enumerate(ran):
+            if i in r.saved:
+                continue
+            for s in g.reads[i]:
+                if s in g.autocast_casts and s not in r.produced:
+                    first.setdefault(s, pos)
+        for s, pos in first.items():
+            recast.setdefault(pos, []).append(s)
+            recompute_ms += g.time[g.autocast_casts[s]]
+            end = max((g.bw_end[i] for i in r.own if s in g.saves[i] and i in g.bw_end),
+                      default=-1)
+            if end >= 0:
+                held[s] = end
+            else:
+                frees.setdefault(len(ran) - 1, []).append(s)
     for pos, i in enumerate(ran):
         if i in r.saved:
             # Selective saves are cached from forward; the replay consumes the cache entry, so
@@ -553,7 +585,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             ops.append((i, []))
             continue
         recompute_ms += g.time[i]
-        ops.append((i, g.new[i]))
+        ops.append((i, g.new[i] + recast.get(pos, [])))
         for s in g.new[i]:
             if s in hold:
                 held[s] = hold[s]
@@ -573,6 +605,8 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     plus = a.alloc[idx]
     if r.saved:
         plus[[pos for pos, i in enumerate(ran) if i in r.saved]] = 0  # cached, not replayed
+    for pos, casts in recast.items():
+        plus[pos] += sum(g.sbytes[s] for s in casts)
     minus = np.zeros(len(ran), dtype=np.int64)
     for pos, fr in frees.items():
         minus[pos] = sum(g.sbytes[s] for s in fr)
@@ -600,6 +634,10 @@ def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int
     # The last reader; a backward op reads the replay's copy of what its outermost region made.
     k = np.where(a.read_gradof >= 0, region_node[a.read_gradof], -1)
     keep = ~((k >= 0) & (k == produced_in[a.read_storage]))
+    if g.autocast_casts:  # a region's backward reads its replay's own cast of a parameter
+        cast = np.zeros(len(g.sbytes), dtype=bool)
+        cast[list(g.autocast_casts)] = True
+        keep &= ~((k >= 0) & cast[a.read_storage])
     np.maximum.at(last, a.read_storage[keep], a.read_node[keep])
     # Held by the model's code beyond its last reader.
     np.maximum(last, a.release, out=last)
