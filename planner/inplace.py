@@ -375,7 +375,25 @@ class StagedForward:
         new.__wrapped__ = type(new.module).forward.__get__(new.module)
         return new
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling the model (`torch.save(model)`): the trace and the code generated from it
+        # are made again from the module on the first call after loading, as `__init__` made
+        # them (the module may not be whole yet while its attributes are unpickled).
+        state = dict(self.__dict__)
+        state["graph"] = state["_program"] = None
+        return state
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.graph is None:
+            self.graph = trace(self.module, Pattern.from_json(
+                json.loads(self.region.staged)["pattern"]))
+            if self.graph is None or self.graph.fingerprint != json.loads(
+                    self.region.staged)["fingerprint"]:
+                raise ScheduleError(
+                    f"the schedule cuts inside the forward of module {self.region.module!r}, "
+                    "whose code no longer traces as it did when planned (loaded with other "
+                    "code?); call planner.remove(model) and re-plan")
+            self._build()
         if not torch.is_grad_enabled() or not self.graph.matches(self.module, args, kwargs):
             return type(self.module).forward(self.module, *args, **kwargs)
         return self._program(*args, **kwargs)

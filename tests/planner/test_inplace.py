@@ -178,6 +178,31 @@ def test_deepcopy_of_a_planned_model_trains_its_own_parameters(zoo):
     assert wrapped and all(any(w is m for m in twin.modules()) for w in wrapped)
 
 
+@pytest.mark.parametrize(("name", "wrapper"), [("hf_gpt2", None), ("resnet_bn", "StagedForward")])
+def test_a_planned_model_pickles_with_its_plan(zoo, name, wrapper, tmp_path):
+    """`torch.save(model)` / `torch.load`: the loaded model carries the plan (runs of traced
+    forwards are traced again on its first call), trains exactly like the one saved, peaks as
+    low, and `planner.remove` restores its own forward."""
+    p = zoo.plan(name, 0.3)
+    model, x = p.module, zoo.get(name)["x"]
+    kinds = {type(w).__name__ for w in applied(model).wrapped.values()}
+    assert wrapper is None or wrapper in kinds, kinds
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert applied(loaded) is not None
+    assert {type(w).__name__ for w in applied(loaded).wrapped.values()} == kinds
+    l0, g0 = loss_and_grads(model, x)
+    l1, g1 = loss_and_grads(loaded, x)
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    assert g1.keys() == g0.keys()
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=0, atol=0, msg=k)
+    assert measure(loaded, x, default_loss, repeats=1).peak_bytes == \
+        measure(model, x, default_loss, repeats=1).peak_bytes
+    planner.remove(loaded)
+    assert all("forward" not in m.__dict__ for m in loaded.modules())
+
+
 def test_batchnorm_running_stats_updated_once_per_step(zoo):
     p = zoo.plan("resnet_bn", 0.3)
     assert any(r.buffers for r in p.schedule.regions), "no region updates BatchNorm statistics"
