@@ -68,6 +68,17 @@ class AppliedPlan:
     """What changed in the model since the plan was applied ("" while nothing did)."""
     warned: bool = False
     hook: Any = None
+    largest: Any = None
+    """A weak reference to the model's largest parameter, and its dtype when the plan was
+    applied: `model.to(dtype)` / `.half()` change it in place, which no registration hook sees.
+    (Its device may change: a plan made on one device for another is moved there to train.)"""
+    largest_was: torch.dtype | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (`copy.deepcopy`, `torch.save`) finds its own largest parameter on its first step.
+        state = dict(self.__dict__)
+        state["largest"] = None
+        return state
 
 
 SAC_CACHE_VERSION = "ckpt-planner-sac-1"
@@ -502,6 +513,10 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
         module.__dict__["forward"] = wrapper
         wrapped[path] = wrapper
     plan = AppliedPlan(schedule=schedule, wrapped=wrapped)
+    largest = max(model.parameters(), key=lambda p: p.numel(), default=None)
+    if largest is not None:
+        plan.largest = weakref.ref(largest)
+        plan.largest_was = largest.dtype
     plan.hook = model.register_forward_pre_hook(_warn_if_changed, with_kwargs=True)
     model.__dict__[_ATTR] = plan
     _watch(model, plan)
@@ -576,6 +591,17 @@ def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
             f"the model changed after planning ({plan.changed} was replaced or added): it "
             "trains correctly, but the plan's peak memory prediction no longer holds; re-plan "
             "(planner.plan(model, ...)) for the model as it is now"), stacklevel=2)
+        return
+    if plan.largest is None and plan.largest_was is not None:
+        plan.largest = weakref.ref(max(model.parameters(), key=lambda p: p.numel()))
+    largest = plan.largest() if plan.largest is not None else None
+    if largest is not None and largest.dtype != plan.largest_was:
+        plan.warned = True
+        warnings.warn(PlanOutdatedWarning(
+            f"the model's parameters were converted to {largest.dtype} after planning (planned "
+            f"in {plan.largest_was}): it trains correctly, but the plan's peak memory "
+            "prediction no longer holds; re-plan (planner.plan(model, ...)) after converting "
+            "the model"), stacklevel=2)
         return
     if plan.schedule.made_for.get("input_shapes"):
         from planner.identity import larger_inputs

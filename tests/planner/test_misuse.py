@@ -6,6 +6,7 @@ message that tell the user what to do. The CLI rows check the same through `ckpt
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -305,6 +306,26 @@ def test_a_model_changed_after_planning_warns_once():
     outdated = [w for w in seen if issubclass(w.category, PlanOutdatedWarning)]
     assert len(outdated) == 1 and "module lm_head" in str(outdated[0].message)
     assert "re-plan" in str(outdated[0].message)
+
+
+def test_a_model_converted_to_another_dtype_after_planning_warns_once():
+    model, x = _gpt()
+    planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanOutdatedWarning)
+        model(x).sum().backward()  # as planned: no warning
+        twin(x).sum().backward()  # a copy checks its own parameters
+    model.to(torch.float64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(x).sum().backward()
+        model(x).sum().backward()
+    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    assert len(msgs) == 1 and "converted to torch.float64" in msgs[0] and "re-plan" in msgs[0]
+    twin.double()
+    with pytest.warns(PlanOutdatedWarning, match="converted to torch.float64"):
+        twin(x).sum().backward()
 
 
 def test_a_reloaded_weight_of_the_same_shape_does_not_warn():
