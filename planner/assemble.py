@@ -182,6 +182,7 @@ def to_profile(
                 saves=tuple(sorted(r.saves)) if r.phase in ("forward", "loss") else (),
                 grad_of=names[r.grad_of] if r.grad_of is not None else None,
                 python_backward=r.python_backward,
+                accumulates=r.accumulates and r.phase == "backward",
                 workspace_bytes=int(r.workspace_bytes),
                 flops=int(r.flops),
                 bytes_moved=int(r.bytes_moved),

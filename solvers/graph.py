@@ -82,12 +82,17 @@ class GraphIndex:
         self.fwd_end = max((i for i, ph in enumerate(self.phase) if ph in ("forward", "loss")),
                            default=-1)
         # bw_end[f]: the last backward op issued by f's autograd node: its saved tensors die there.
+        # The engine's sums of the node's output gradients into the next nodes' buffers
+        # (`Node.accumulates`) run after the formula returned and its saved tensors were
+        # released; they end the node's backward only where it ran nothing else.
         self.bw_end: dict[int, int] = {}
         self.bw_first_read: dict[int, int] = {}
+        self.accumulates = accumulates = [nd.accumulates for nd in nodes]
         for i in range(self.n):
             g = self.grad_of[i]
             if g >= 0:
-                self.bw_end[g] = i
+                if not accumulates[i] or g not in self.bw_end:
+                    self.bw_end[g] = i
                 if g not in self.bw_first_read and not all_reads[i].isdisjoint(self.saves[g]):
                     self.bw_first_read[g] = i
         for g in list(self.bw_end):
@@ -224,7 +229,7 @@ class IndexArrays:
         """Storages made by a C++ backward formula: the formula's last op (`GraphIndex.bw_end`).
         A custom Function's Python backward frees them at their last reference instead."""
         for i in range(g.fwd_end + 1, g.n):
-            if g.grad_of[i] >= 0 and not g.python_backward[i]:
+            if g.grad_of[i] >= 0 and not g.python_backward[i] and not g.accumulates[i]:
                 for s in g.new[i]:
                     self.formula_end[s] = g.bw_end[g.grad_of[i]]
         saves = [(f, s, e) for f, e in g.bw_end.items() for s in g.saves[f]

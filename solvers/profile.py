@@ -8,8 +8,9 @@ Memory is described at the level of storages, because that is what an allocator 
 in-place ops create no storage, and one storage may be read through many nodes. Every node names the
 storage its output lives in (`storage`) and the storages it allocates (`new_storages`); a forward node
 lists the storages its autograd node saved for backward (`saves`); a backward node names the forward
-node whose autograd node ran it (`grad_of`), and whether that node's backward is Python code
-(`python_backward`, a custom autograd.Function); a node lists the storages whose last reference
+node whose autograd node ran it (`grad_of`), whether that node's backward is Python code
+(`python_backward`, a custom autograd.Function) and whether the op is the engine's sum of two
+gradients after that node's formula returned (`accumulates`); a node lists the storages whose last reference
 the model's own code dropped right after it ran (`releases`: autograd's saved copies do not count).
 
 `calls` lists every call of a module's `forward` as a span of forward nodes: the regions a plan
@@ -85,6 +86,10 @@ class Node:
     """Backward nodes: the autograd node that ran this op is written in Python (a custom
     `torch.autograd.Function`), so what the op makes dies at its last reference, as Python
     frees it, not when the backward formula returns as a C++ formula's temporaries do."""
+    accumulates: bool = False
+    """Backward nodes: the autograd engine's sum of two gradients for one input (`InputBuffer`),
+    run after the formula of `grad_of`'s node returned. That node's saved tensors were released
+    before it (`GraphIndex.bw_end` ends the node's backward at its last other op)."""
     workspace_bytes: int = 0
     """Bytes the op allocates and frees again while it runs (beyond its outputs); measured on
     CPU from allocation events, 0 where unknown (estimate mode)."""
@@ -509,6 +514,10 @@ def _validate(p: Profile) -> None:
             raise ProfileError(f"{where}: python_backward must be true or false")
         if n.python_backward and n.phase != "backward":
             raise ProfileError(f"{where}: python_backward is set on a {n.phase!r} node")
+        if not isinstance(n.accumulates, bool):
+            raise ProfileError(f"{where}: accumulates must be true or false")
+        if n.accumulates and n.phase != "backward":
+            raise ProfileError(f"{where}: accumulates is set on a {n.phase!r} node")
         if n.name in seen:
             raise ProfileError(f"{where}: duplicate node name (first at nodes[{seen[n.name]}])")
         if n.phase not in PHASES:

@@ -7,12 +7,14 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
 - Forward runs node by node; a node's new storages are allocated when it runs. A storage is freed
   after the later of: its last reader; the node after which the model's own code dropped its last
   reference (`Node.releases`, recorded by running the step: a local variable holds a tensor until
-  the function returns); the end of the backward of every autograd node that saved it (its last
-  op); the end of the step for the loss and parameter gradients. A backward op's temporaries die
-  where the recorded step saw them die (`Node.releases`: at the end of the C++ statement that
-  made them, or at their last use in a custom Function's Python backward); in a profile without
-  that record (a graph profile), when the formula returns, or at their last use in a Python
-  backward (`Node.python_backward`).
+  the function returns); the end of the backward of every autograd node that saved it (its
+  formula's last op: the engine's sum of the node's gradient into one already waiting for the
+  same input, `Node.accumulates`, runs after the formula returned and released the saved
+  tensors, a replay's copies included); the end of the step for the loss and parameter
+  gradients. A backward op's temporaries die where the recorded step saw them die
+  (`Node.releases`: at the end of the C++ statement that made them, or at their last use in a
+  custom Function's Python backward); in a profile without that record (a graph profile), when
+  the formula returns, or at their last use in a Python backward (`Node.python_backward`).
 - A checkpointed region keeps its arguments (the checkpoint frame holds them) until the last of
   its autograd nodes has run backward: the tensors its ops read from outside, and whatever the
   call's arguments reach (`ModuleCall.holds`). Tensors its ops would save are not kept, except
