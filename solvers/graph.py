@@ -124,6 +124,15 @@ class GraphIndex:
         self.autocast_casts: dict[int, int] = ac
         """Storages of parameters cast by autocast (from its cache) -> the node that cast them."""
         self.call_holds = {(c.start, c.end): c.holds for c in p.calls if c.holds}
+        self.buffer_calls: list[tuple[int, int, tuple[int, ...]]] = []
+        """(first node, last node, buffer storages) of each call that updates buffers in place
+        (`ModuleCall.buffers`): a region over it copies them for its replay
+        (`planner.inplace`), so that the replay's updates land on the copies."""
+        for c in p.calls:
+            sids = tuple(self.out_storage[self.name_to_i[b]] for b in c.buffers
+                         if b in self.name_to_i and self.out_storage[self.name_to_i[b]] is not None)
+            if sids:
+                self.buffer_calls.append((self.name_to_i[c.start], self.name_to_i[c.end], sids))
         self.has_optimizer = bool(p.optimizer_state_bytes or p.optimizer_step_bytes)
         self.optimizer_step_bytes = p.optimizer_step_bytes
         self._arrays: IndexArrays | None = None

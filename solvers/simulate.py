@@ -41,6 +41,10 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   of weights), it casts again, as its first reader replays; that copy lives until the replay
   returns, or until the backward of the replayed nodes that save it, and the region's backward
   reads it, not the original. Such a cast is not one of the region's inputs.
+- A region whose calls update buffers in place (BatchNorm's running statistics) replays on
+  copies of them, made as its replay starts (`planner.inplace`), so that the statistics move
+  once per step; a copy a replayed op saves (batch norm saves the statistics it is given) lives
+  until that op's backward, the others until the replay returns.
 - With an optimizer, the step ends with its update: parameters, gradients, optimizer state and the
   optimizer's transient memory.
 
@@ -111,6 +115,8 @@ class _Reg:
     depth: int = 0
     inputs: frozenset[int] = frozenset()
     """Storages its nodes read that it does not produce."""
+    buffers: tuple[int, ...] = ()
+    """Buffer storages its calls update in place, which its replay runs on copies of."""
 
 
 def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
@@ -181,7 +187,9 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
                 raise ScheduleError(f"region {k}: saved node {name!r} is not inside the region")
             saved.add(j)
         holds = g.call_holds.get((r.start, r.end), ())  # the call this region is, if any
-        raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs)
+        buffers = tuple(sorted({s for ca, cb, sids in g.buffer_calls if a <= ca and cb <= b
+                                for s in sids}))
+        raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs, buffers=buffers)
     # A region that never replays (none of its saved tensors is read in backward) is left out,
     # its nodes belonging to its parent; leaving one out can change its parent, so repeat.
     keep = [k for _, _, k in spans]
@@ -568,6 +576,18 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             recompute_ms += g.time[g.autocast_casts[s]]
             end = max((g.bw_end[i] for i in r.own if s in g.saves[i] and i in g.bw_end),
                       default=-1)
+            if end >= 0:
+                held[s] = end
+            else:
+                frees.setdefault(len(ran) - 1, []).append(s)
+    # Buffers the region updates in place (BatchNorm statistics): the replay runs on copies
+    # made as it starts; a copy its replayed ops save (batch norm saves its running statistics)
+    # lives until their backward, the others until the replay returns.
+    if ran and r.buffers:
+        recast.setdefault(0, []).extend(r.buffers)
+        for s in r.buffers:
+            end = max((g.bw_end[i] for i in r.own if i <= r.early_stop and s in g.saves[i]
+                       and i in g.bw_end), default=-1)
             if end >= 0:
                 held[s] = end
             else:

@@ -223,6 +223,42 @@ def test_batchnorm_running_stats_updated_once_per_step(zoo):
             torch.testing.assert_close(b1[k], b0[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("which", [(1,), (0, 1)])
+def test_a_batchnorm_region_holds_the_copies_of_its_statistics_its_replay_saves(which):
+    """A region's replay runs on copies of the buffers it updates (so that BatchNorm's
+    statistics move once per step); batch norm saves the running statistics it is given, so
+    the copies live until its backward, not only while the replay runs."""
+    torch.manual_seed(0)
+    model = nn.ModuleList(
+        nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 64))
+        for _ in range(2))
+
+    class Towers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.towers = model
+
+        def forward(self, x):
+            for t in self.towers:
+                x = t(x)
+            return x
+
+    net, x = Towers(), torch.randn(64, 64)
+    prof = planner.profile(net, x, repeats=1)
+    calls = {c.module: c for c in prof.calls}
+    regions = tuple(Region(start=calls[f"towers.{k}"].start, end=calls[f"towers.{k}"].end,
+                           module=f"towers.{k}", buffers=calls[f"towers.{k}"].buffers)
+                    for k in which)
+    assert all(r.buffers for r in regions)
+    predicted = simulate(prof, regions).peak_bytes
+    apply_schedule(net, Schedule(regions=regions))
+    try:
+        measured = measure(net, x, default_loss, repeats=1).peak_bytes
+    finally:
+        planner.remove(net)
+    assert abs(predicted - measured) <= 64, (predicted, measured)
+
+
 def test_dropout_regions_preserve_the_rng(zoo):
     p = zoo.plan("mlp_dropout", 0.3)
     assert any(r.preserve_rng for r in p.schedule.regions)
