@@ -41,7 +41,7 @@ from solvers.distributed import per_rank
 from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
-from solvers.simulate import peak_breakdown, simulate
+from solvers.simulate import peak_breakdown, simulate, unsplittable_at_peak
 from solvers.solve import BASELINES, lowest, smallest_peak, solve
 from solvers.units import format_bytes, parse_budget
 
@@ -625,10 +625,20 @@ def _infeasible(profile: Profile, budget: int, schedule: Schedule,
         "(measured with the plan on the other batches given, or on other random draws, the "
         f"step peaked higher or spread wider than on this one), leaves "
         f"{format_bytes(max(budget - margin, 0))}, which")
+    unsplit = [(m, b, why) for m, b, why in unsplittable_at_peak(profile, least)
+               if b >= peak // 100][:2]
+    where = ""
+    if unsplit:
+        where = " Of these, " + "; ".join(
+            f"{format_bytes(b)} {'are' if b != 1 else 'is'} made by the code of "
+            f"{repr(m) if m else 'the root module'} itself, outside any submodule call, where "
+            f"no region can go ({why})" for m, b, why in unsplit) + "."
+        advice.insert(0, "move that code into submodules (an nn.Module per block), which the "
+                         "planner can then recompute")
     return InfeasibleBudgetError(
         f"{what} is below the smallest achievable peak for this model and "
         f"batch ({format_bytes(peak)}, with regions nested inside regions where that helps). At "
-        f"that peak: {shown}; recomputation cannot shrink these. Raise the budget, or "
+        f"that peak: {shown}; no schedule of regions shrinks these.{where} Raise the budget, or "
         + "; or ".join(advice) + "."
     )
 

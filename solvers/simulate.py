@@ -68,7 +68,7 @@ from solvers.graph import graph_index
 from solvers.profile import FIXED_PHASES, Profile, cached
 from solvers.schedule import Region, Schedule
 
-__all__ = ["MEMO_SIZE", "Simulation", "peak_breakdown", "simulate"]
+__all__ = ["MEMO_SIZE", "Simulation", "peak_breakdown", "simulate", "unsplittable_at_peak"]
 
 MEMO_SIZE = 4096
 """Simulations kept per profile (`simulate` is pure: solvers re-check the same schedules across
@@ -751,6 +751,42 @@ def _sweep(g, last: list[int], held: list[tuple[int, int]], replay_at: dict[int,
         peak, peak_at = mem + g.optimizer_step_bytes, "optimizer.step"
     return Simulation(peak_bytes=peak + g.fixed_bytes, recompute_ms=recompute_ms,
                       peak_at=peak_at, after_forward_bytes=after_forward)
+
+
+def unsplittable_at_peak(p: Profile, schedule: Schedule | tuple[Region, ...] = ()
+                         ) -> list[tuple[str, int, str]]:
+    """Forward activations kept at the peak of `schedule` that no region can recompute, by the
+    module whose own code (not a submodule call) made them: (module, bytes, why), largest
+    first. Regions are module calls, or runs of a traced forward (`ModuleCall.staged`); the ops
+    of a forward that did not trace, of a module no region may wrap (the root, or a call with
+    a `ModuleCall.blocker`), can only be recomputed with a module call around them."""
+    sim = _simulate(p, schedule.regions if isinstance(schedule, Schedule) else tuple(schedule),
+                    timeline=True)
+    g = graph_index(p)
+    maker: dict[int, int] = {}
+    for i in g.forward:
+        for s in g.new[i]:
+            maker[s] = i
+    calls: dict[str, list] = {}
+    for c in p.calls:
+        calls.setdefault(c.module, []).append(c)
+    out: dict[str, list] = {}
+    for s, replayed in sim.peak_live:
+        i = maker.get(s, -1)
+        if replayed or i < 0 or s in g.fixed_storages:
+            continue
+        m = p.nodes[i].module
+        cs = calls.get(m, [])
+        if not cs or any(c.staged for c in cs):
+            continue
+        if m == "":
+            why = "its forward does not trace with torch.fx, so it cannot be cut into runs"
+        elif any(c.blocker for c in cs):
+            why = next(c.blocker for c in cs if c.blocker)
+        else:
+            continue
+        out.setdefault(m, [0, why])[0] += g.sbytes[s]
+    return sorted(((m, b, why) for m, (b, why) in out.items()), key=lambda t: -t[1])
 
 
 def peak_breakdown(p: Profile, schedule: Schedule | tuple[Region, ...] = (),

@@ -960,17 +960,32 @@ def restoring(spec: StepSpec) -> Iterator[None]:
                 spec.params[k].grad = g
 
 
-def _warm_up(spec: StepSpec) -> None:
+def _warm_up(spec: StepSpec) -> Exception | None:
     """One unrecorded step first, so that the recorded one is a step of training and not its
     first call: what a model computes once and keeps (an `lru_cache`d position index, as BEiT's
     relative position bias; a lazily built buffer) then exists before the recorded step, held
     beside the weights as it is in every later step, instead of being counted as the step's own
-    memory. Buffers, gradients and random streams are put back (`restoring`)."""
+    memory. Buffers, gradients and random streams are put back (`restoring`). Returns what the
+    step raised: the recorded run raises it again, with where it happened, except where only
+    a step outside the recorder fails (`_failed_outside_recorder`)."""
     try:
         with restoring(spec):
             run_step(spec, None, hooks=False)
-    except Exception:  # noqa: BLE001 - the recorded run raises it again, with where it happened
-        pass
+    except Exception as e:  # noqa: BLE001 - see above
+        return e
+    return None
+
+
+def _failed_outside_recorder(spec: StepSpec, e: Exception) -> ModelRunError:
+    """The plain step raised where the recorded one ran: the recorder keeps copies of the
+    tensors autograd saves, so autograd's check that a saved tensor was not written in place
+    since (its version counter) cannot fire under it."""
+    hint = (" (a tensor autograd saved was written in place: use the out-of-place op there, "
+            "or write to a .clone())" if "modified by an inplace operation" in str(e) else "")
+    return ModelRunError(
+        f"{type(spec.model).__name__}'s training step raised: {type(e).__name__}: {e}. A plain "
+        "step (model(**inputs), loss_fn, backward) fails the same way outside the planner: fix "
+        f"the model{hint} and plan again.")
 
 
 def _where(rec: _Recorder, e: BaseException) -> str:
@@ -1009,8 +1024,7 @@ def record_step(
             key = pytree.keystr(path)
             input_shapes[key] = list(leaf.shape)
             rec.register_fixed("input", f"input{key}", leaf)
-    if not fake:
-        _warm_up(spec)
+    warm_up_error = None if fake else _warm_up(spec)
     with restoring(spec):
         try:
             with rec:
@@ -1019,6 +1033,8 @@ def record_step(
             raise
         except Exception as e:  # noqa: BLE001 - the model's own error, with where it happened
             raise _run_error(spec, rec, e, fake) from e
+    if warm_up_error is not None:
+        raise _failed_outside_recorder(spec, warm_up_error) from warm_up_error
     if rec.foreign_hooks:
         raise _foreign_hooks_error(spec, rec.foreign_hooks)
     # The loss and gradients die now, after every recorded op, as at the step's end; so does

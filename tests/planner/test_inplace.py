@@ -422,7 +422,7 @@ def test_infeasible_budget_names_smallest_peak(zoo):
     assert re.search(r"smallest achievable peak .*\(\d+\.\d+ (MiB|GiB)", msg), msg
     assert format_bytes(e["smallest"]) in msg, msg
     # what the peak is made of: each part named is at least 1% of it (no "0.00 MiB" items)
-    parts = re.search(r"At that peak: (.*?); recomputation cannot shrink", msg).group(1)
+    parts = re.search(r"At that peak: (.*?); no schedule of regions shrinks", msg).group(1)
     for size in re.findall(r" (\d+\.\d+) (KiB|MiB|GiB)", parts):
         assert float(size[0]) > 0, msg
     assert applied(e["model"]) is None

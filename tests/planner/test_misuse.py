@@ -161,6 +161,54 @@ def _model_raises():
     return planner.plan(m, budget_gb=1, example_inputs=torch.randn(4, 8), repeats=1)
 
 
+class _WritesSavedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.fc(x))
+        y.clamp_(max=1.0)  # relu saved y for its backward: a real step raises in backward
+        return y
+
+
+def _writes_saved_in_place():
+    return planner.plan(_WritesSavedInPlace(), budget_gb=1, example_inputs=torch.randn(4, 8),
+                        repeats=1)
+
+
+class _RoundSTE(torch.autograd.Function):
+    """Straight-through rounding: a custom Function, which torch.fx tracing cannot keep."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _BlocksInRootCode(nn.Module):
+    """Its blocks are lines of the root's forward, not modules, so only the Linears are calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(16, 64) for _ in range(4))
+        self.down = nn.ModuleList(nn.Linear(64, 16) for _ in range(4))
+
+    def forward(self, x):
+        for a, b in zip(self.up, self.down, strict=True):
+            h = torch.tanh(a(x))
+            x = x + b(_RoundSTE.apply(h) * h)
+        return x
+
+
+def _blocks_in_root_code():
+    return planner.plan(_BlocksInRootCode(), budget_bytes=64 * 1024,
+                        example_inputs=torch.randn(256, 16), repeats=1)
+
+
 def _too_small_budget():
     m, x = _gpt()
     return planner.plan(m, budget_bytes=1024, example_inputs=x, repeats=1)
@@ -242,6 +290,12 @@ ROWS = [
         r"pass a function of the model's output"),
     Row("model raises in its forward", _model_raises, planner.ModelRunError,
         r"in module '1'.*check that the example inputs"),
+    Row("model writes in place to a tensor autograd saved", _writes_saved_in_place,
+        planner.ModelRunError, r"_WritesSavedInPlace's training step raised: RuntimeError: one "
+        r"of the variables .* modified by an inplace operation.*use the out-of-place op"),
+    Row("budget below what code outside any submodule keeps", _blocks_in_root_code,
+        planner.InfeasibleBudgetError, r"made by the code of the root module itself, outside any "
+        r"submodule call.*does not trace with torch.fx.*move that code into submodules"),
     Row("torch.compile'd model", _compiled, CkptPlannerError,
         r"plan the model first and compile after"),
     Row("HF gradient checkpointing on", _hf_checkpointing, CkptPlannerError,
