@@ -32,6 +32,12 @@ KiB = 1024
 
 def main() -> int:
     t0 = time.perf_counter()
+    try:  # transformers' config notices would land in the table when stderr is redirected too
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
     print("| model | family | budget | plan | predicted peak KiB | measured peak KiB | "
           "predicted - measured | fits | max grad rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
