@@ -10,8 +10,9 @@ storage its output lives in (`storage`) and the storages it allocates (`new_stor
 lists the storages its autograd node saved for backward (`saves`); a backward node names the forward
 node whose autograd node ran it (`grad_of`), whether that node's backward is Python code
 (`python_backward`, a custom autograd.Function) and whether the op is the engine's sum of two
-gradients after that node's formula returned (`accumulates`); a node lists the storages whose last reference
-the model's own code dropped right after it ran (`releases`: autograd's saved copies do not count).
+gradients after that node's formula returned (`accumulates`); a node lists the storages whose
+last reference the model's own code dropped right after it ran (`releases`: autograd's saved
+copies do not count).
 
 `calls` lists every call of a module's `forward` as a span of forward nodes: the regions a plan
 applied to the model's own modules can checkpoint.
