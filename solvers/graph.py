@@ -124,6 +124,30 @@ class GraphIndex:
         self.autocast_casts: dict[int, int] = ac
         """Storages of parameters cast by autocast (from its cache) -> the node that cast them."""
         self.call_holds = {(c.start, c.end): c.holds for c in p.calls if c.holds}
+        once = {}
+        for c in p.calls:
+            once[c.module] = c.module not in once
+        self.call_spans = {(self.name_to_i[c.start], self.name_to_i[c.end]) for c in p.calls
+                           if not c.blocker and once[c.module]}
+        """Node spans of the module calls a region may be on its own (no blocker, the module's
+        only call): a run of stages over the same nodes is that call (`candidate_calls`)."""
+        self.call_span = {c.module: (self.name_to_i[c.start], self.name_to_i[c.end])
+                          for c in p.calls if c.stages}
+        """Node span of each traced call, by module."""
+        self.traced_calls: list[tuple[int, int, list[int], list[int]]] = []
+        """(first node, last node, first node of each stage, last node of each stage) of each
+        call whose forward traced (`ModuleCall.stages`): a plan with a run of its stages runs
+        the traced code for the whole call (`planner.stages`)."""
+        self.traced_by_first: dict[int, list[int]] = {}
+        """Node -> the `traced_calls` (indices) one of whose stages starts there."""
+        for c in p.calls:
+            if c.stages and c.staged:
+                firsts = [self.name_to_i[x] for x in c.stages]
+                for f in firsts:
+                    self.traced_by_first.setdefault(f, []).append(len(self.traced_calls))
+                self.traced_calls.append((
+                    self.name_to_i[c.start], self.name_to_i[c.end], firsts,
+                    [self.name_to_i[x] for x in c.stage_last]))
         self.buffer_calls: list[tuple[int, int, tuple[int, ...]]] = []
         """(first node, last node, buffer storages) of each call that updates buffers in place
         (`ModuleCall.buffers`): a region over it copies them for its replay
@@ -137,6 +161,7 @@ class GraphIndex:
         self.optimizer_step_bytes = p.optimizer_step_bytes
         self._arrays: IndexArrays | None = None
         self._dead_ends: dict[int, int] | None = None
+        self._last_forward_read: dict[int, int] | None = None
         self.spans: dict[tuple[int, int], tuple[list[int], frozenset[int], frozenset[int]]] = {}
         """A region's node span -> its forward nodes, the storages they make, the storages
         they read from outside (the simulator's, computed once per span)."""
@@ -204,6 +229,15 @@ class GraphIndex:
             for j in self.inputs_of[f]:
                 out.update(self.new[j])
         return out
+
+    def last_forward_read(self) -> dict[int, int]:
+        """For every storage a forward node reads, the last such node; computed once."""
+        if self._last_forward_read is None:
+            self._last_forward_read = {}
+            for i in self.forward:
+                for st in self.reads[i]:
+                    self._last_forward_read[st] = i
+        return self._last_forward_read
 
     def position(self, name: str) -> int:
         """Forward position of the forward node called `name`."""

@@ -41,6 +41,10 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   of weights), it casts again, as its first reader replays; that copy lives until the replay
   returns, or until the backward of the replayed nodes that save it, and the region's backward
   reads it, not the original. Such a cast is not one of the region's inputs.
+- A call with a region that is a run of its traced forward's stages (`planner.stages`) runs the
+  generated code, in forward and in the run's replay: it drops a value after the last stage
+  that reads it (a stage: one call of the traced forward), where the model's own code may have
+  kept it longer in a local (`Node.releases` count no later than that stage, `_traced_calls`).
 - A region whose calls update buffers in place (BatchNorm's running statistics) replays on
   copies of them, made as its replay starts (`planner.inplace`), so that the statistics move
   once per step; a copy a replayed op saves (batch norm saves the statistics it is given) lives
@@ -117,6 +121,9 @@ class _Reg:
     """Storages its nodes read that it does not produce."""
     buffers: tuple[int, ...] = ()
     """Buffer storages its calls update in place, which its replay runs on copies of."""
+    stages: tuple[list[int], list[int]] | None = None
+    """For a run of a traced call's stages: the first and last node of each of the call's
+    stages (its replay runs the generated code, `_traced_calls`)."""
 
 
 def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
@@ -189,7 +196,9 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
         holds = g.call_holds.get((r.start, r.end), ())  # the call this region is, if any
         buffers = tuple(sorted({s for ca, cb, sids in g.buffer_calls if a <= ca and cb <= b
                                 for s in sids}))
-        raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs, buffers=buffers)
+        traced = _traced_calls(g, (r,))
+        raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs, buffers=buffers,
+                      stages=(traced[0][2], traced[0][3]) if traced else None)
     # A region that never replays (none of its saved tensors is read in backward) is left out,
     # its nodes belonging to its parent; leaving one out can change its parent, so repeat.
     keep = [k for _, _, k in spans]
@@ -315,10 +324,12 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     sigs: dict[int, tuple] = {}
 
     def sig(k: int) -> tuple:
-        """Region k's span and, recursively, those of the regions nested in it."""
+        """Region k's span, whether it runs traced code, and, recursively, those of the
+        regions nested in it."""
         if k not in sigs:
             r = regs[k]
-            sigs[k] = (r.nodes[0], r.nodes[-1], tuple(sig(c) for c in r.children))
+            sigs[k] = (r.nodes[0], r.nodes[-1], r.stages is not None,
+                       tuple(sig(c) for c in r.children))
         return sigs[k]
 
     def random(k: int) -> bool:
@@ -548,8 +559,16 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             extra.append((min(bisect.bisect_left(ran, first), len(ran) - 1), rng))
     # The replay runs the module's own code: what it holds past the last reader lives until
     # it is dropped there too, or until the early stop unwinds the replay.
+    fwd_read = g.last_forward_read() if r.stages is not None else {}
     for s in r.produced:
         rel = g.release.get(s)
+        if rel is not None and r.stages is not None and fwd_read.get(s, -1) <= r.nodes[-1]:
+            # a run of traced code drops a value no later stage reads after the stage that
+            # reads it last (the generated code's `x = None`), not where the model's code did
+            firsts, lasts = r.stages
+            n = max(fwd_read.get(s, -1), min(i for i in r.nodes if s in g.new[i]))
+            k = bisect.bisect_right(firsts, n) - 1
+            rel = min(rel, lasts[k] if k >= 0 and n <= lasts[k] else n)
         if rel is not None:
             pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else len(ran) - 1
             if pos > read_pos.get(s, -1):
@@ -639,6 +658,29 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                    sum(len(g.saves[i]) for i in r.own), tuple(extra))
 
 
+def _traced_calls(g, regions: tuple[Region, ...]) -> list[tuple[int, int, list[int], list[int]]]:
+    """The calls of `GraphIndex.traced_calls` that run their traced code under `regions`: those
+    with a region that is a run of their stages (inside the call, from a stage's first node to
+    a stage's last; the whole call is a run only where the region says so, `Region.staged`)."""
+    out: list[tuple[int, int, list[int], list[int]]] = []
+    if not g.traced_calls:
+        return out
+    for r in regions:
+        a, b = g.name_to_i[r.start], g.name_to_i[r.end]
+        for t in g.traced_by_first.get(a, ()):
+            call = g.traced_calls[t]
+            ca, cb, _, lasts = call
+            if call in out or not (ca <= a and b <= cb) or b not in lasts:
+                continue
+            if r.module is not None and (r.module or r.staged):  # bound (`solvers.chain.bind`)
+                staged = bool(r.staged) and g.call_span.get(r.module) == (ca, cb)
+            else:  # a span that is a module call is that call (`solvers.chain.candidate_calls`)
+                staged = (a, b) not in g.call_spans
+            if staged:
+                out.append(call)
+    return out
+
+
 def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int]:
     """For every storage, the node index after which its original instance is freed (-1: no
     rule keeps it, `g.end`: the end of the step), before the regions' own rules; vectorized over
@@ -661,8 +703,21 @@ def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int
         cast[list(g.autocast_casts)] = True
         keep &= ~((k >= 0) & cast[a.read_storage])
     np.maximum.at(last, a.read_storage[keep], a.read_node[keep])
-    # Held by the model's code beyond its last reader.
-    np.maximum(last, a.release, out=last)
+    # Held by the model's code beyond its last reader; in a call that runs its traced code (a
+    # run of its stages is a region), by the generated code, which drops a value after the
+    # stage that reads it last (a stage: one call of the traced forward, a child module's or a
+    # function's), where the model's own forward may have kept it in a local for longer.
+    release = a.release
+    for ca, cb, firsts, lasts in _traced_calls(g, regions):
+        release = release.copy() if release is a.release else release
+        made = np.flatnonzero((a.maker >= ca) & (a.maker <= cb) & (release >= ca)
+                              & (release <= cb))
+        for s in made.tolist():
+            r = max(int(last[s]), int(a.maker[s]))
+            k = bisect.bisect_right(firsts, r) - 1
+            end = lasts[k] if k >= 0 and r <= lasts[k] else r
+            release[s] = min(int(release[s]), end)
+    np.maximum(last, release, out=last)
     last[a.persist] = g.end  # the loss and parameter gradients
     # Where the profile did not see a backward temporary die (a graph profile), it lives until
     # its formula returns: a C++ formula frees its temporaries no later than that (a custom

@@ -337,3 +337,51 @@ def test_an_edited_staged_schedule_is_refused_and_the_model_left_as_it_was(edit,
         apply_schedule(model, bad)
     assert applied(model) is None
     assert "forward" not in model.blocks[0].attn.__dict__
+
+
+class _ScoresKeptByTheLoop(nn.Module):
+    """Attention written in the loop of the root's forward, einsum in even layers and SDPA in
+    odd ones: the even layers' score tensor ``s`` stays referenced by the loop's local until the
+    next even layer assigns it again."""
+
+    def __init__(self, d: int = 32, layers: int = 3):
+        super().__init__()
+        self.d = d
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.o = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        for i, (qkv, o) in enumerate(zip(self.qkv, self.o, strict=True)):
+            q, k, v = qkv(x).view(b, n, 3, 4, self.d // 4).unbind(2)
+            if i % 2:
+                a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                   v.transpose(1, 2), is_causal=True)
+                a = a.transpose(1, 2)
+            else:
+                s = torch.einsum("blhd,bmhd->bhlm", q, k) / (self.d // 4) ** 0.5
+                a = torch.einsum("bhlm,bmhd->blhd", s.softmax(-1), v)
+            x = x + o(a.reshape(b, n, self.d))
+        return x
+
+
+def test_traced_code_frees_a_value_the_models_loop_keeps():
+    """Under a plan with runs of the root's traced forward, the root runs the generated code,
+    which drops each value after the last stage that reads it; the model's loop keeps the first
+    layer's scores until the third layer assigns them again. Every run of the root's stages is
+    predicted as measured (the simulator used to keep the scores as long as the loop did)."""
+    torch.manual_seed(0)
+    model, x = _ScoresKeptByTheLoop(), torch.randn(4, 64, 32)
+    prof = planner.profile(model, x, repeats=1)
+    spans = [s for s in candidate_calls(prof) if s.call.module == "" and s.staged]
+    assert len(spans) >= 10
+    for s in spans:
+        sched = Schedule(regions=bind(prof, (region(prof, s.a, s.b),)))
+        assert sched.regions[0].staged
+        apply_schedule(model, sched)
+        try:
+            measured = planner.measure(model, x, repeats=1).peak_bytes
+        finally:
+            planner.remove(model)
+        predicted = simulate(prof, sched).peak_bytes
+        assert abs(predicted - measured) <= 64, (s.segment, predicted, measured)
