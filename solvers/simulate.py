@@ -712,11 +712,13 @@ def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int
         release = release.copy() if release is a.release else release
         made = np.flatnonzero((a.maker >= ca) & (a.maker <= cb) & (release >= ca)
                               & (release <= cb))
-        for s in made.tolist():
-            r = max(int(last[s]), int(a.maker[s]))
-            k = bisect.bisect_right(firsts, r) - 1
-            end = lasts[k] if k >= 0 and r <= lasts[k] else r
-            release[s] = min(int(release[s]), end)
+        if not len(made):
+            continue
+        r = np.maximum(last[made], a.maker[made])  # the last reader (or the maker)
+        k = np.searchsorted(firsts, r, side="right") - 1  # the stage it is in, if any
+        stage_last = np.asarray(lasts, dtype=np.int64)[np.maximum(k, 0)]
+        end = np.where((k >= 0) & (r <= stage_last), stage_last, r)
+        release[made] = np.minimum(release[made], end)
     np.maximum(last, release, out=last)
     last[a.persist] = g.end  # the loss and parameter gradients
     # Where the profile did not see a backward temporary die (a graph profile), it lives until
