@@ -162,9 +162,11 @@ class GraphIndex:
         self._arrays: IndexArrays | None = None
         self._dead_ends: dict[int, int] | None = None
         self._last_forward_read: dict[int, int] | None = None
-        self.spans: dict[tuple[int, int], tuple[list[int], frozenset[int], frozenset[int]]] = {}
+        self.spans: dict[tuple[int, int], tuple[list[int], frozenset[int], frozenset[int],
+                                                tuple[int, ...]]] = {}
         """A region's node span -> its forward nodes, the storages they make, the storages
-        they read from outside (the simulator's, computed once per span)."""
+        they read from outside, the buffer storages its calls update (the simulator's,
+        computed once per span)."""
         self.replays: dict = {}
         """The simulator's replay of each region that saves nothing, by its span and those of
         the regions nested in it: it depends on nothing else in a schedule."""

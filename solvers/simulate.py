@@ -185,8 +185,10 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
             # it again (`GraphIndex.autocast_casts`).
             span = g.spans[(a, b)] = (nodes, made,
                                       frozenset(s for i in nodes for s in g.reads[i]) - made
-                                      - g.autocast_casts.keys())
-        nodes, produced, inputs = span
+                                      - g.autocast_casts.keys(),
+                                      tuple(sorted({s for ca, cb, sids in g.buffer_calls
+                                                    if a <= ca and cb <= b for s in sids})))
+        nodes, produced, inputs, buffers = span
         saved = set()
         for name in r.saved:
             j = g.name_to_i.get(name)
@@ -194,8 +196,6 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
                 raise ScheduleError(f"region {k}: saved node {name!r} is not inside the region")
             saved.add(j)
         holds = g.call_holds.get((r.start, r.end), ())  # the call this region is, if any
-        buffers = tuple(sorted({s for ca, cb, sids in g.buffer_calls if a <= ca and cb <= b
-                                for s in sids}))
         traced = _traced_calls(g, (r,))
         raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs, buffers=buffers,
                       stages=(traced[0][2], traced[0][3]) if traced else None)
@@ -566,7 +566,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             # a run of traced code drops a value no later stage reads after the stage that
             # reads it last (the generated code's `x = None`), not where the model's code did
             firsts, lasts = r.stages
-            n = max(fwd_read.get(s, -1), min(i for i in r.nodes if s in g.new[i]))
+            n = max(fwd_read.get(s, -1), int(g.arrays().maker[s]))
             k = bisect.bisect_right(firsts, n) - 1
             rel = min(rel, lasts[k] if k >= 0 and n <= lasts[k] else n)
         if rel is not None:
