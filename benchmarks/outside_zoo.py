@@ -172,6 +172,104 @@ def _torch_transformer() -> Case:
                 {"src": x[:2, :16], "src_key_padding_mask": mask[:2, :16]}, "plain")
 
 
+def _encoder_batch(rows: int, seq: int, lengths: list[int]) -> dict[str, torch.Tensor]:
+    """Sequence-classification inputs, row i real for its first `lengths[i]` tokens."""
+    real = (torch.arange(seq) < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": torch.randint(1, 512, (rows, seq)) * real, "attention_mask": real,
+            "labels": torch.randint(0, 2, (rows,))}
+
+
+def _encoder(config_cls: str, model_cls: str, **config: Any) -> Callable[[], Case]:
+    """An HF sequence classifier at 4 rows of 64 tokens, two of them right-padded: at the
+    classifiers' 2 x 32, some families' step peaks after backward (gradients of the weights),
+    where no checkpointing changes anything."""
+
+    def build() -> Case:
+        import transformers
+
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
+        return Case(model.train(), _encoder_batch(4, 64, [64, 40, 64, 30]), None,
+                    _encoder_batch(2, 32, [32, 20]), "encoder")
+
+    return build
+
+
+def _bigbird() -> Case:
+    """Block-sparse attention, its random blocks drawn with numpy (seeded in training). The
+    smaller batch keeps 48 tokens: at 36 or fewer BigBird replaces its attention modules by
+    full attention for good (a warned, permanent change of the model, whose new modules'
+    initialisation also draws from torch's RNG), after which no step compares with the one
+    before."""
+    from transformers import BigBirdConfig, BigBirdForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BigBirdConfig(vocab_size=512, hidden_size=64, num_hidden_layers=3,
+                           intermediate_size=128, num_attention_heads=4, hidden_dropout_prob=P,
+                           attention_probs_dropout_prob=P, attention_type="block_sparse",
+                           block_size=4, num_random_blocks=2, max_position_embeddings=128)
+    return Case(BigBirdForSequenceClassification(config).train(),
+                _encoder_batch(4, 64, [64, 40, 64, 30]), None, _encoder_batch(2, 48, [48, 20]),
+                "encoder")
+
+
+def _mpt() -> Case:
+    """ALiBi attention biases instead of positions; 4 rows of 96 tokens (at 2 x 32 the step
+    peaks after backward, on the weights' gradients)."""
+    from transformers import MptConfig, MptForCausalLM
+
+    torch.manual_seed(0)
+    model = _hf(MptForCausalLM, MptConfig(vocab_size=512, d_model=64, n_heads=4, n_layers=3,
+                                          expansion_ratio=2, max_seq_len=128))
+    return Case(model, _lm_inputs(512, 4, 96, [96, 60, 96, 80]), None, _lm_inputs(512, 2, 40),
+                "decoder")
+
+
+def _umt5() -> Case:
+    """T5 with a relative attention bias of its own in every layer (not shared from the first)."""
+    from transformers import UMT5Config, UMT5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = UMT5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                        dropout_rate=P, pad_token_id=0, decoder_start_token_id=0)
+
+    def batch(rows: int, src: int, tgt: int, lengths: list[int]) -> dict[str, Any]:
+        real = (torch.arange(src) < torch.tensor(lengths)[:, None]).long()
+        return {"input_ids": torch.randint(3, 512, (rows, src)) * real, "attention_mask": real,
+                "labels": torch.randint(3, 512, (rows, tgt)), "use_cache": False}
+
+    return Case(UMT5ForConditionalGeneration(config).train(), batch(4, 64, 48, [64, 40, 64, 50]),
+                None, batch(2, 24, 16, [24, 15]), "encoder-decoder")
+
+
+def _vit_mae() -> Case:
+    """Masked-autoencoder pretraining: each forward masks half the patches at random
+    (`torch.rand` noise, `argsort`, `gather`), so a replay must draw the same mask."""
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+
+    torch.manual_seed(0)
+    config = ViTMAEConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=3,
+                          num_attention_heads=4, intermediate_size=128, decoder_hidden_size=32,
+                          decoder_num_hidden_layers=2, decoder_num_attention_heads=4,
+                          decoder_intermediate_size=64, hidden_dropout_prob=P,
+                          attention_probs_dropout_prob=P, mask_ratio=0.5)
+    return Case(ViTMAEForPreTraining(config).train(), {"pixel_values": torch.randn(4, 3, 64, 64)},
+                None, {"pixel_values": torch.randn(2, 3, 32, 32),
+                       "interpolate_pos_encoding": True}, "vision")
+
+
+def _mobilevit() -> Case:
+    """Convolutions around transformer blocks that run on unfolded patches."""
+    from transformers import MobileViTConfig, MobileViTForImageClassification
+
+    torch.manual_seed(0)
+    config = MobileViTConfig(image_size=64, hidden_sizes=[32, 48, 64],
+                             neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 96], num_attention_heads=2,
+                             hidden_dropout_prob=P, attention_probs_dropout_prob=P, num_labels=10)
+    return Case(MobileViTForImageClassification(config).train(), _images(4, 64), None,
+                _images(2, 32), "vision")
+
+
 _LM = dict(vocab_size=512, max_position_embeddings=128)
 CASES: dict[str, Callable[[], Case]] = {
     "opt": _decoder("OPTConfig", "OPTForCausalLM", **_LM, hidden_size=64, num_hidden_layers=3,
@@ -229,6 +327,19 @@ CASES: dict[str, Callable[[], Case]] = {
                       attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                       expert_layer_offset=1, mamba_d_state=8, mamba_expand=2,
                       use_mamba_kernels=False, attention_dropout=P),
+    "mpt": _mpt,
+    "fnet": _encoder("FNetConfig", "FNetForSequenceClassification", vocab_size=512,
+                     hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+                     hidden_dropout_prob=P, max_position_embeddings=128),
+    "xlnet": _encoder("XLNetConfig", "XLNetForSequenceClassification", vocab_size=512,
+                      d_model=64, n_layer=3, n_head=4, d_inner=128, dropout=P),
+    "bigbird": _bigbird,
+    "funnel": _encoder("FunnelConfig", "FunnelForSequenceClassification", vocab_size=512,
+                       block_sizes=[1, 1], d_model=64, n_head=4, d_head=16, d_inner=128,
+                       hidden_dropout=P, attention_dropout=P),
+    "umt5": _umt5,
+    "vit_mae": _vit_mae,
+    "mobilevit": _mobilevit,
     "swin": _swin,
     "beit": _beit,
     "led": _led,

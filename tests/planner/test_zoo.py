@@ -1,8 +1,9 @@
 """Models nobody on the team wrote, called the way people train them (`tests.zoo`): HF decoders with
 and without padded masks, an encoder, an encoder-decoder, vision models, PEFT LoRA, a top-2 MoE
-with data-dependent routing, value-dependent Python, a loss that takes targets; and the 23 families
-of `benchmarks/outside_zoo.py` (more decoders, encoders, Swin, BEiT, Wav2Vec2, CLIP, LSTM, torch's own
-TransformerEncoder).
+with data-dependent routing, value-dependent Python, a loss that takes targets; and the 31 families
+of `benchmarks/outside_zoo.py` (more decoders and encoders, ALiBi, FFT mixing, block-sparse and
+relative attention, UMT5, Swin, BEiT, MobileViT, ViTMAE's random masking, Wav2Vec2, CLIP, LSTM,
+torch's own TransformerEncoder).
 
 Each is profiled once and planned at 0.75, 0.5 and 0.3 x its activation memory above the fixed
 memory. Where a plan exists it must train exactly like the model (same loss, gradients to rtol
