@@ -86,18 +86,25 @@ class GraphIndex:
         # (`Node.accumulates`) run after the formula returned and its saved tensors were
         # released; they end the node's backward only where it ran nothing else.
         self.bw_end: dict[int, int] = {}
-        self.bw_first_read: dict[int, int] = {}
+        # bw_unpack[f]: the backward op before which f's autograd node unpacks its saved tensors
+        # (where a checkpoint replays the region that saved them). A C++ formula unpacks every
+        # saved tensor before its first op (IndexBackward0 unpacks the indices, then allocates
+        # the zeros it scatters into); a custom Function's Python backward reads
+        # `ctx.saved_tensors` where its code does, taken as its first op that reads one.
+        self.bw_unpack: dict[int, int] = {}
         self.accumulates = accumulates = [nd.accumulates for nd in nodes]
         for i in range(self.n):
             g = self.grad_of[i]
             if g >= 0:
                 if not accumulates[i] or g not in self.bw_end:
                     self.bw_end[g] = i
-                if g not in self.bw_first_read and not all_reads[i].isdisjoint(self.saves[g]):
-                    self.bw_first_read[g] = i
+                if g not in self.bw_unpack and not accumulates[i] and (
+                        not self.python_backward[i]
+                        or not all_reads[i].isdisjoint(self.saves[g])):
+                    self.bw_unpack[g] = i
         for g in list(self.bw_end):
-            if self.saves[g] and g not in self.bw_first_read:
-                self.bw_first_read[g] = self.bw_end[g]
+            if self.saves[g] and g not in self.bw_unpack:
+                self.bw_unpack[g] = self.bw_end[g]
         # Fixed end-of-step holders: the loss and parameter gradients.
         self.end = self.n
         self.persist: set[int] = set()

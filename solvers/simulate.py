@@ -19,10 +19,13 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   its autograd nodes has run backward: the tensors its ops read from outside, and whatever the
   call's arguments reach (`ModuleCall.holds`). Tensors its ops would save are not kept, except
   the outputs of nodes marked saved (selective checkpointing), which are cached from forward.
-- In backward, the first op of the region's backward that unpacks a saved tensor replays the region
-  from its start up to its early stop (`solvers.chain.early_stops`: its last op that saves
-  anything, or the op before it when that op saves only its inputs). Every op before the stop is
-  replayed except the saved ones, even ops that only feed saved ones.
+- In backward, the first of the region's autograd nodes to unpack a saved tensor replays the
+  region from its start up to its early stop (`solvers.chain.early_stops`: its last op that
+  saves anything, or the op before it when that op saves only its inputs). Every op before the
+  stop is replayed except the saved ones, even ops that only feed saved ones. A C++ formula
+  unpacks its saved tensors before its first op, so the replay runs before anything that node
+  allocates (IndexBackward0's zeros, made before the indices are read); a custom Function's
+  Python backward, at its first op that reads one (`GraphIndex.bw_unpack`).
 - Replayed tensors the region's autograd nodes need live until those nodes have run; the others
   die after their last replayed reader, or where the module's code drops them, or when the early
   stop unwinds the replay. A cached (saved) output is consumed by the replay and dies after its
@@ -250,7 +253,7 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
                     else last_own - 1
             while r.early_stop >= 0 and g.phase[r.early_stop] != "forward":
                 r.early_stop -= 1
-        triggers = [g.bw_first_read[i] for i in savers if i in g.bw_first_read]
+        triggers = [g.bw_unpack[i] for i in savers if i in g.bw_unpack]
         triggers += [out[c].trigger for c in r.children if out[c].trigger >= 0]
         r.trigger = min(triggers, default=-1)
         ends = [g.bw_end[i] for i in savers if i in g.bw_end]

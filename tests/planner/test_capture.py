@@ -277,6 +277,51 @@ def test_a_nodes_saved_tensors_die_before_the_engine_sums_its_gradients(calls):
     assert measured - 64 <= predicted <= measured, (predicted, measured)
 
 
+class _Buckets(nn.Module):
+    """Reorders its rows by bucket, the bucket from a fixed random projection (LSH-style: no
+    gradient through the sort). In backward its only autograd node with anything saved is
+    IndexBackward0, whose formula unpacks the indices (replaying the block, the projection a
+    wide temporary) and only then allocates the zeros it scatters the gradient into."""
+
+    def __init__(self, d: int = 64, buckets: int = 1024):
+        super().__init__()
+        self.register_buffer("proj", torch.randn(d, buckets))
+
+    def forward(self, x):
+        return x[(x @ self.proj).argmax(-1).argsort()]
+
+
+class _BucketStack(nn.Module):
+    def __init__(self, d: int = 64, n: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Buckets(d) for _ in range(n))
+        self.mix = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x):
+        for block, mix in zip(self.blocks, self.mix, strict=True):
+            x = x + mix(block(x))
+        return x
+
+@pytest.mark.parametrize("calls", [(2,), (0, 1, 2)])
+def test_a_replay_runs_before_the_formula_that_unpacks_allocates(calls):
+    """The replay of a region whose last saving op is an index runs as IndexBackward0 starts,
+    before its zeros are allocated; the simulator had replayed at the first op that reads the
+    indices (after the zeros), over-predicting the peak there by the zeros' size."""
+    torch.manual_seed(0)
+    model, x = _BucketStack(), torch.randn(512, 64, requires_grad=True)
+    prof = profile(model, x, repeats=1)
+    spans = [c for c in prof.calls if c.module.startswith("blocks.")]
+    regions = bind(prof, tuple(Region(start=spans[k].start, end=spans[k].end) for k in calls))
+    sim = simulate(prof, regions)
+    assert sim.peak_at.startswith("replay:")
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        measured = measure(model, x, repeats=1).peak_bytes
+    finally:
+        remove(model)
+    assert measured - 64 <= sim.peak_bytes <= measured, (sim.peak_bytes, measured)
+
+
 def test_a_tensor_held_by_a_reference_cycle_lives_to_the_end_of_the_step():
     """A tensor that only a reference cycle keeps (an object pointing at itself) dies when the
     garbage collector runs, not at its last reader: the profile keeps it to the end of the step,
