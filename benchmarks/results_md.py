@@ -85,6 +85,16 @@ def _verdict(checks: list[tuple[str, bool, str]], f: float, ours_fits: bool,
     return f"time {'<= half' if 'half' in target else '<= anchor'}: {'**PASS**' if ok else 'fail'}"
 
 
+def _dates(results: list[CompareResult]) -> str:
+    """The day the results were measured, or each day with its models when they differ."""
+    days: dict[str, list[str]] = {}
+    for r in results:
+        days.setdefault(r.meta.get("date", "?")[:10], []).append(r.model)
+    if len(days) == 1:
+        return next(iter(days))
+    return ", ".join(f"{d} ({', '.join(models)})" for d, models in sorted(days.items()))
+
+
 def summary(results: list[CompareResult]) -> str:
     lines = [
         "| model | step ms (none) | budget | ours: peak MiB, extra (predicted) | fastest anchor that "
@@ -226,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                "; the first round, taken before our plans were searched, is timed"),
         machine=meta.get("machine", "?"), threads=meta.get("threads", "?"),
         malloc=", ".join(sorted({r.meta.get("malloc", "not recorded") for r in results})),
-        date=meta.get("date", "?")[:10], torch=meta.get("torch", "?"),
+        date=_dates(results), torch=meta.get("torch", "?"),
         step_lo=min(r.row("none").step_ms for r in results),
         step_hi=max(r.row("none").step_ms for r in results),
     )]
