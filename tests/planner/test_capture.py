@@ -292,6 +292,8 @@ class _Buckets(nn.Module):
 
 
 class _BucketStack(nn.Module):
+    """`_Buckets` blocks, each followed by a residual linear mix outside it."""
+
     def __init__(self, d: int = 64, n: int = 3):
         super().__init__()
         self.blocks = nn.ModuleList(_Buckets(d) for _ in range(n))
@@ -301,6 +303,7 @@ class _BucketStack(nn.Module):
         for block, mix in zip(self.blocks, self.mix, strict=True):
             x = x + mix(block(x))
         return x
+
 
 @pytest.mark.parametrize("calls", [(2,), (0, 1, 2)])
 def test_a_replay_runs_before_the_formula_that_unpacks_allocates(calls):
