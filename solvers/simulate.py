@@ -626,7 +626,8 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                     last[s] = -1
                     replay_freed.add(s)
                     frees.setdefault(read_pos.get(s, pos), []).append(s)
-            ops.append((i, []))
+            # not replayed, but the copies the replay makes as it starts (buffers) still are
+            ops.append((i, recast.get(pos, [])))
             continue
         recompute_ms += g.time[i]
         ops.append((i, g.new[i] + recast.get(pos, [])))
