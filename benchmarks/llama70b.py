@@ -41,7 +41,7 @@ from solvers.units import format_bytes  # noqa: E402
 PROFILES = ROOT / "profiles"
 GIB = 2**30
 TIME_LIMIT_S = 4.0
-"""Seconds per `auto` solve (the ILP's share); the whole table stays under 2 minutes."""
+"""Seconds per `auto` solve (the ILP's share), so that the table's time does not hang on the MILP."""
 
 
 @dataclasses.dataclass(frozen=True)
