@@ -125,6 +125,10 @@ class Plan:
     compile_memory_budget: float | None = None
     """With ``plan(..., compile=backend)``: the partitioner's ``activation_memory_budget`` the
     plan was fitted with (1.0: the compiler's default). Compile with `compile_backend`."""
+    compile_search: list[dict] = field(default_factory=list)
+    """With ``plan(..., compile=backend)``: every configuration the search compiled and stepped,
+    in order (`planner.compiled.Candidate.summary`: partitioner budget, the eager budget a plan
+    was solved for, peak, whether it fit, median step time), so a user can see what was tried."""
     local_profile: Profile | None = None
     """Under data parallelism (`profile` is one rank's: `solvers.distributed.per_rank`), the
     profile of the step as this process runs it before DDP or FSDP wraps the model."""
@@ -232,6 +236,11 @@ class Plan:
                          f"{format_bytes(self.compiled_peak_bytes)} (the peaks above are eager "
                          f"predictions; the compiled step keeps what its partitioner decides, "
                          f"measured); compile with {how}")
+            if self.compile_search:
+                n = len(self.compile_search)
+                lines.append(f"compiled configurations measured: {n}, "
+                             f"{sum(c['fits'] for c in self.compile_search)} within the budget "
+                             "(each in plan.compile_search)")
         if self.seconds:
             lines.append("planned in " + ", ".join(f"{k} {v:.2f} s"
                                                    for k, v in self.seconds.items()))
@@ -544,6 +553,7 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
         p, schedule=schedule, profile=used, budget_bytes=budget, local_profile=local,
         compiled_peak_bytes=max(best.peak_bytes + state, update or 0), compiled_backend=backend,
         compile_memory_budget=best.memory_budget,
+        compile_search=[c.summary() for c in tried],
         margin_bytes=spread + (max(0, target - best.eager_budget)
                                if best.eager_budget is not None else 0))
 

@@ -95,6 +95,11 @@ class Row:
     status: str = "ok"
     """``ok``, ``does not fit (smallest peak ...)``, or ``error: ...``."""
     regions: int | None = None
+    searched: list[dict] = field(default_factory=list)
+    """For ``ours_compiled``: every configuration the compiled search compiled and stepped, in
+    order (`planner.compiled.Candidate.summary`): partitioner budget, eager budget planned for
+    and cost model (None: no plan), regions, measured peak, whether it fits, and its median
+    step time in the search's own timing (None: not timed, as it does not fit)."""
 
     @property
     def measured(self) -> bool:
@@ -791,6 +796,9 @@ def compare(
                     row.status = f"error: {type(ex).__name__}: {ex}"[:200]
                     add(row, None)
                     continue
+                row.searched = [c.summary() for c in tried]
+                for c in tried:
+                    say(f"  searched {c.describe(label)}")
                 if not fits:
                     planned = [c for c in tried if c.schedule is not None]
                     if planned:

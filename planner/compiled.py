@@ -198,9 +198,33 @@ class Candidate:
     """The cost model `schedule` was solved under (`cost_models`)."""
     step_ms: list[float] = field(default_factory=list)
 
+    fits: bool = False
+    """Its measured peak is within the search's target."""
+
     def label(self, backend: str) -> str:
         regions = "no plan" if self.schedule is None else f"{len(self.schedule.regions)} regions"
         return f"{backend}({self.memory_budget:g}) with {regions}"
+
+    def summary(self) -> dict[str, Any]:
+        """What was tried and measured, as JSON: for the compare rows and the plan's report."""
+        return {
+            "memory_budget": self.memory_budget,
+            "eager_budget_bytes": self.eager_budget,
+            "cost_model": self.cost_model if self.schedule is not None else None,
+            "regions": len(self.schedule.regions) if self.schedule is not None else 0,
+            "peak_bytes": self.peak_bytes,
+            "fits": self.fits,
+            "step_ms": _median(self) if self.step_ms else None,
+        }
+
+    def describe(self, backend: str) -> str:
+        """One line: `label`, what the plan was solved for, the peak, and the median time."""
+        mib = 2**20
+        planned = "" if self.schedule is None or self.eager_budget is None else (
+            f", planned for {self.eager_budget / mib:.2f} MiB eager ({self.cost_model})")
+        timed = f", {_median(self):.1f} ms" if self.step_ms else ""
+        return (f"{self.label(backend)}{planned}: {self.peak_bytes / mib:.2f} MiB"
+                f"{'' if self.fits else ', does not fit'}{timed}")
 
 
 def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
@@ -245,7 +269,7 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
         else:
             module = compile_copy(model, None, backend, m)
             peak = step(module)
-        none = Candidate(None, m, peak, module if peak <= target else None)
+        none = Candidate(None, m, peak, module if peak <= target else None, fits=peak <= target)
         tried.append(none)
         if peak <= target:
             found.append(none)
@@ -274,7 +298,8 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
                                                               "cost_model": cost.name})
                         compiled = compile_copy(model, s, backend, m)
                         c = Candidate(s, m, step(compiled), compiled, variant, b, cost.name)
-                        if c.peak_bytes > target:
+                        c.fits = c.peak_bytes <= target
+                        if not c.fits:
                             c.module = None  # only the fitting copies are kept, to be timed
                         tried.append(c)
                     seen[b] = c

@@ -69,6 +69,28 @@ def test_goes_down_while_faster(compiles):
     assert all(c.step_ms for c in fits)  # all three timed, in turn
 
 
+def test_every_configuration_tried_is_summarized_with_what_it_measured(compiles):
+    """What compare's rows (`Row.searched`) and `Plan.compile_search` show: each configuration
+    compiled, in order, with its peak, whether it fit, and its median time where it was timed."""
+    times = {1.0: 10.0, 0.8: 9.0, 0.5: 9.5}
+    fits, tried = _search(130, times)
+    summaries = [c.summary() for c in tried]
+    assert [s["peak_bytes"] for s in summaries] == [c.peak_bytes for c in tried]
+    assert [s["fits"] for s in summaries] == [c.peak_bytes <= 130 for c in tried]
+    assert any(not s["fits"] for s in summaries) and any(s["fits"] for s in summaries)
+    for s, c in zip(summaries, tried, strict=True):
+        assert s["memory_budget"] == c.memory_budget
+        if c.schedule is None:
+            assert (s["eager_budget_bytes"], s["cost_model"], s["regions"]) == (None, None, 0)
+        else:
+            assert s["eager_budget_bytes"] == c.eager_budget and s["regions"] == 1
+            assert s["cost_model"] == pc.EAGER_COST.name
+        # only what fits is timed; the chosen one's median is its summary's time
+        assert (s["step_ms"] is None) == (not s["fits"])
+        assert ("does not fit" in c.describe("inductor")) == (not s["fits"])
+    assert {s["step_ms"] for s in summaries if s["fits"]} == {10.0, 9.0, 9.5}
+
+
 def test_below_a_budget_that_was_no_faster_only_the_compiler_alone_is_tried(compiles):
     """Once a lower partitioner budget measured no faster, no plan is searched below it; the
     copy without a plan still is, and is kept where it fits and is faster: the partitioner's
