@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-measure the side-by-side comparison of every benchmark model, then rewrite RESULTS.md.
-#   bash benchmarks/run_compare.sh [model ...]     (default: all six; 15-50 min each on 2 cores)
+#   bash benchmarks/run_compare.sh [model ...]     (default: all six; each takes tens of minutes on 2 cores: benchmarks/RESULTS.md)
 # Needs the venv active and tcmalloc (Debian: apt install libtcmalloc-minimal4); see RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
