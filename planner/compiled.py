@@ -14,12 +14,17 @@ recomputation is cheap). The candidates that fit are timed in turn, the two fast
 they are within a few percent of each other; plans are searched at a lower partitioner budget
 only while going down has measured faster, the copy without a plan at every one (`search`).
 The plan is the fastest of our regions, the compiler's own recomputation, or both together.
+
+Which of two candidates is faster is read from the rounds both were timed in, one ratio per
+round (`_paired`), not from medians of samples taken minutes apart: a machine whose speed
+drifts between two phases of the search would otherwise decide it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,13 +47,20 @@ default, largest first; 1.0 is the compiler's default (no extra recomputation). 
 compiled copy without a plan can be the only one that fits; lower settings are left out, as the
 partitioner's peak rises again towards 0 (the `inductor(0)` rows of benchmarks/RESULTS.md)."""
 TIMING_ROUNDS = 3
-"""Rounds of timed steps over the fitting candidates (each round steps every one in turn)."""
+"""Rounds of timed steps over the fitting candidates (each round steps every one in turn, the
+order reversed every other round)."""
 CLOSE_CALL = 0.05
-"""Where the two fastest candidates' median step times are within this fraction of each other,
-`TIMING_ROUNDS` rounds do not tell them apart on a noisy machine: those two are timed again, in
-turn, until they are further apart or each has `MAX_TIMING_ROUNDS` samples."""
+"""The two fastest candidates are told apart when, over at least `TIMING_ROUNDS` rounds both were
+timed in, the median of their per-round ratios is further than this from 1 and `AGREE` of the
+rounds say the same; until then both are timed again, in turn, up to `MAX_TIMING_ROUNDS` such
+rounds."""
+AGREE = 0.75
+"""The fraction of paired rounds that must rank two candidates the same way for `CLOSE_CALL`'s
+gap to settle them (a spike in one round cannot decide alone)."""
 MAX_TIMING_ROUNDS = 9
-"""Samples per candidate past which a close call is left as measured (its median decides)."""
+"""Paired rounds past which a close call is left as measured (the median ratio decides)."""
+_ROUND_IDS = itertools.count()
+"""Identifies each timing round, so that two candidates' samples from the same round pair."""
 FUSED_POINTWISE = 0.3
 """A search parameter, not a prediction: in the inductor cost model (`fused_pointwise`), the
 fraction of its eager time that recomputing a forward op without FLOPs (pointwise, reduction,
@@ -197,6 +209,8 @@ class Candidate:
     cost_model: str = EAGER_COST.name
     """The cost model `schedule` was solved under (`cost_models`)."""
     step_ms: list[float] = field(default_factory=list)
+    step_rounds: list[int] = field(default_factory=list)
+    """The timing round of each of `step_ms` (`_ROUND_IDS`)."""
 
     fits: bool = False
     """Its measured peak is within the search's target."""
@@ -319,33 +333,81 @@ def search(model: torch.nn.Module, prof: Profile, target: int, *, backend: str,
             break  # the compiler alone fits; untimed, a lower budget is not worth compiling
         if time_step is not None and len(fits) > 1:
             timed = [c for c in before if c.step_ms]
-            now = ([min(timed, key=_median)] if timed else []) + [c for c in fits
+            now = ([_best(timed)] if timed else []) + [c for c in fits
                                                                   if not c.step_ms]
             _time(now, time_step, TIMING_ROUNDS)
             _settle(now, time_step)
-            if before and min(map(_median, found)) >= min(map(_median, before)):
+            if before and _faster(_best(found), _best(before)) not in found:
                 planning = False  # recomputing more in the compiler stopped paying
     return fits, tried
 
 
 def _time(candidates: Sequence[Candidate], time_step: Callable[[torch.nn.Module], float],
           rounds: int) -> None:
+    """`rounds` rounds, each stepping every candidate once in turn (the order reversed every
+    other round, so that a machine slowing down within a round favours none of them)."""
     for _ in range(rounds):
-        for c in candidates:
+        r = next(_ROUND_IDS)
+        for c in (candidates if r % 2 == 0 else candidates[::-1]):
             c.step_ms.append(time_step(c.module))
+            c.step_rounds.append(r)
+
+
+def _paired(a: Candidate, b: Candidate) -> list[float]:
+    """a's step time over b's, one ratio per round both were timed in."""
+    of_b = dict(zip(b.step_rounds, b.step_ms))
+    return [t / of_b[r] for r, t in zip(a.step_rounds, a.step_ms) if r in of_b]
+
+
+def _faster(a: Candidate, b: Candidate) -> Candidate:
+    """a where it is strictly faster than b: by the median of their paired rounds' ratios, or
+    by median step times where they were never timed in the same round; else b."""
+    ratios = _paired(a, b)
+    if ratios:
+        return a if statistics.median(ratios) < 1 else b
+    return a if _median(a) < _median(b) else b
+
+
+def _tournament(candidates: Sequence[Candidate]) -> Candidate:
+    """Each candidate, in order, against the fastest so far (`_faster`). `search` times each
+    partitioner budget's candidates together with the fastest before them, so along this order
+    every comparison has paired rounds to read, however the machine's speed drifted between
+    budgets (medians over all samples would mix fast and slow minutes)."""
+    best = candidates[0]
+    for c in candidates[1:]:
+        best = _faster(c, best)
+    return best
+
+
+def _pair(candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate, list[float]]:
+    """The two fastest timed candidates (`_tournament`), the faster of them first as their own
+    paired rounds say, and its per-round ratios to the other."""
+    timed = [c for c in candidates if c.step_ms]
+    a = _tournament(timed)
+    b = _tournament([c for c in timed if c is not a])
+    if _faster(b, a) is b:
+        a, b = b, a
+    return a, b, _paired(a, b)
+
+
+def _best(candidates: Sequence[Candidate]) -> Candidate:
+    """The fastest of `candidates` as timed so far (`_pair`), timing nothing."""
+    timed = [c for c in candidates if c.step_ms]
+    return timed[0] if len(timed) == 1 else _pair(timed)[0]
 
 
 def _settle(candidates: Sequence[Candidate],
             time_step: Callable[[torch.nn.Module], float]) -> None:
-    """Time the two fastest of `candidates` again, in turn, one round at a time, while their
-    medians are within `CLOSE_CALL` of each other and one has fewer than `MAX_TIMING_ROUNDS`
-    samples."""
+    """Time the two fastest of `candidates` again, in turn, one round at a time, until their
+    paired rounds tell them apart (`CLOSE_CALL`, `AGREE`) or number `MAX_TIMING_ROUNDS`."""
     while len(candidates) > 1:
-        a, b = sorted(candidates, key=_median)[:2]
-        if (_median(b) > (1 + CLOSE_CALL) * _median(a)
-                or min(len(a.step_ms), len(b.step_ms)) >= MAX_TIMING_ROUNDS):
+        _, _, ratios = _pair(candidates)
+        n = len(ratios)
+        if n >= MAX_TIMING_ROUNDS or (
+                n >= TIMING_ROUNDS and statistics.median(ratios) * (1 + CLOSE_CALL) < 1
+                and sum(q < 1 for q in ratios) >= AGREE * n):
             return
-        _time([a, b], time_step, 1)
+        _time(_pair(candidates)[:2], time_step, 1)
 
 
 def _median(c: Candidate) -> float:
@@ -354,13 +416,12 @@ def _median(c: Candidate) -> float:
 
 def fastest(candidates: Sequence[Candidate], time_step: Callable[[torch.nn.Module], float],
             rounds: int = TIMING_ROUNDS) -> Candidate:
-    """The candidate with the least median step time (`time_step(module)`, ms); candidates are
-    timed in turn for `rounds` rounds unless `search` timed them all already, and the two
-    fastest again while they are a close call (`_settle`). With one candidate, that one,
-    untimed."""
+    """The fastest candidate: timed in turn for `rounds` rounds unless `search` timed them all
+    already, the two fastest again while they are a close call (`_settle`), and of those two the
+    one their paired rounds rank first. With one candidate, that one, untimed."""
     if len(candidates) == 1:
         return candidates[0]
     if any(not c.step_ms for c in candidates):
         _time(candidates, time_step, rounds)
     _settle(candidates, time_step)
-    return min(candidates, key=_median)
+    return _best(candidates)

@@ -178,6 +178,49 @@ def test_a_close_call_is_timed_again_until_it_is_settled(compiles):
     assert [len(c.step_ms) for c in fits] == [pc.TIMING_ROUNDS] * 2
 
 
+def test_a_machine_slowing_down_between_budgets_does_not_decide(compiles):
+    """Candidates of different partitioner budgets are timed minutes apart. Here the machine
+    runs 1.5x slower from the moment inductor(0.5) alone is timed: its samples are all slow,
+    while the plan at 0.8 has nine fast ones from before. By medians over all samples the plan
+    (10.6 ms median) would beat inductor(0.5) alone (12 ms), though in every round both ran in,
+    inductor(0.5) alone took 0.75x the plan's time. Paired rounds choose inductor(0.5)."""
+    base = {(1.0, False): 11.0, (0.8, False): 10.6, (0.5, True): 8.0}
+    fast_steps = 2 * pc.MAX_TIMING_ROUNDS  # the two plans, timed until their close call ends
+    calls: list = []
+
+    def time_step(module):
+        calls.append(module.m)
+        slow = 1.5 if len(calls) > fast_steps else 1.0
+        return slow * base[(module.m, module.schedule is None)]
+
+    fits, _ = pc.search(object(), SimpleNamespace(calls=()), 130, backend="inductor",
+                        eager_none=EAGER_NONE, solve_at=_solve_at, step=_step,
+                        time_step=time_step, memory_budgets=(1.0, 0.8, 0.5),
+                        costs=(pc.EAGER_COST,))
+    assert [(c.memory_budget, c.schedule is None) for c in fits] == \
+        [(1.0, False), (0.8, False), (0.5, True)]
+    plan, alone = fits[1], fits[2]
+    # the 4% close call between the two plans was timed to MAX_TIMING_ROUNDS, all fast
+    assert calls[:fast_steps].count(0.5) == 0 and 0.5 in calls[fast_steps:]
+    assert len(plan.step_ms) > len(alone.step_ms) and pc._median(plan) < pc._median(alone)
+    assert pc._paired(alone, plan) == [pytest.approx(8.0 / 10.6)] * len(alone.step_ms)
+    best = pc.fastest(fits, lambda module: pytest.fail("told apart already"))
+    assert (best.memory_budget, best.schedule) == (0.5, None)
+
+
+def test_rounds_that_disagree_are_timed_again(compiles):
+    """inductor(0.8) is 20% faster in two of three rounds and 10% slower in the third: the
+    median ratio is past CLOSE_CALL, but fewer than AGREE of the rounds say so, so one more
+    round is timed; with three of four agreeing, the call is made."""
+    samples = {1.0: iter([10.0] * 20), 0.8: iter([8.0, 8.0, 11.0] + [8.0] * 20)}
+    fits, _ = pc.search(object(), SimpleNamespace(calls=()), 250, backend="inductor",
+                        eager_none=EAGER_NONE, solve_at=_solve_at, step=_step,
+                        time_step=lambda module: next(samples[module.m]),
+                        memory_budgets=(1.0, 0.8))
+    assert [len(c.step_ms) for c in fits] == [pc.TIMING_ROUNDS + 1] * 2
+    assert pc.fastest(fits, lambda module: pytest.fail("settled already")).memory_budget == 0.8
+
+
 def test_the_backend_is_a_name_at_the_default_budget():
     assert pc.compile_backend("inductor", 1.0) == "inductor"
     assert callable(pc.compile_backend("inductor", 0.5))
