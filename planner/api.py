@@ -535,11 +535,10 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
             step=peak,
             time_step=time_step, memory_budgets=memory_budgets)
         if not fits:
-            shown = ", ".join(f"{c.label(backend)} {format_bytes(c.peak_bytes)}"
-                              for c in tried)
+            shown = "; ".join(c.describe(backend) for c in tried)
             raise InfeasibleBudgetError(
                 f"under torch.compile(backend={backend!r}) no plan fits {format_bytes(budget)}: "
-                f"measured compiled peaks {shown}. Raise the budget, or plan without compile= "
+                f"measured compiled peaks: {shown}. Raise the budget, or plan without compile= "
                 "and check the compiled step yourself")
         best = compiled.fastest(fits, time_step)
     finally:

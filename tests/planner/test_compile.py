@@ -258,6 +258,8 @@ def test_a_budget_below_the_eager_floor_is_judged_on_the_compiled_step():
     except planner.InfeasibleBudgetError as e:
         assert "under torch.compile(backend='inductor')" in str(e)
         assert "measured compiled peaks" in str(e)
+        # each configuration tried, with what it was planned for and what it measured
+        assert "inductor(1) with no plan: " in str(e) and "does not fit" in str(e)
         assert applied(model) is None  # the model is left as it was
     else:
         assert p.compiled_peak_bytes is not None and p.compiled_peak_bytes <= budget
