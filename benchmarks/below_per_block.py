@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 import planner  # noqa: E402
 from benchmarks import cpu_sizes  # noqa: E402
+from benchmarks._cli import check_models_and_allocator  # noqa: E402
 from planner.api import plan_from_profile  # noqa: E402
 from planner.comparison import host_allocator  # noqa: E402
 from planner.inplace import apply_schedule, remove  # noqa: E402
@@ -130,12 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table(json.loads(Path(args.table).read_text())["rows"]))
         return 0
-    unknown = sorted(set(args.models) - set(MODELS))
-    if unknown:
-        ap.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
-    if host_allocator() == "glibc":
-        print("below_per_block: glibc malloc inflates checkpointed step times on CPU; run under "
-              "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", file=sys.stderr)
+    check_models_and_allocator(ap, args.models, MODELS, "below_per_block")
     rows = []
     for name in args.models:
         t0 = time.perf_counter()

@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 import planner  # noqa: E402
 from benchmarks import cpu_sizes  # noqa: E402
+from benchmarks._cli import check_models_and_allocator  # noqa: E402
 from planner.api import InfeasibleBudgetError, solve_within  # noqa: E402
 from planner.comparison import host_allocator  # noqa: E402
 from planner.graph.api import plan_from_trace  # noqa: E402
@@ -167,12 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table(json.loads(Path(args.table).read_text())["rows"]))
         return 0
-    unknown = sorted(set(args.models) - set(MODELS))
-    if unknown:
-        ap.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
-    if host_allocator() == "glibc":
-        print("inplace_vs_graph: glibc malloc inflates checkpointed step times on CPU; run under "
-              "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", file=sys.stderr)
+    check_models_and_allocator(ap, args.models, MODELS, "inplace_vs_graph")
     rows = []
     t_all = time.perf_counter()
     for name in args.models:
