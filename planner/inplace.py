@@ -520,7 +520,27 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
     plan.hook = model.register_forward_pre_hook(_warn_if_changed, with_kwargs=True)
     model.__dict__[_ATTR] = plan
     _watch(model, plan)
+    if schedule.regions:
+        _let_dynamo_trace_regions()
     return model
+
+
+def _let_dynamo_trace_regions() -> None:
+    """Let dynamo trace a region whose forward changes Python state outside it.
+
+    Dynamo refuses to trace a checkpoint whose forward mutates a Python object from outside its
+    scope, because eager recomputation would replay that mutation, and breaks the graph there,
+    recompiling on every step. Hugging Face layers do this wherever the `kernels` package is
+    installed (transformers 5.25 requires it): its hub-kernel layers set a context variable's
+    global in forward. A compiled region's recomputation is the partitioner's, inside the
+    backward graph, which replays no Python at all; so the mutation happening once, in forward,
+    is what compiled regions do anyway, and dynamo's switch for that
+    (``skip_fwd_side_effects_in_bwd_under_checkpoint``) is turned on once a plan has regions.
+    Eager steps are unaffected."""
+    import torch._dynamo.config as dc
+
+    if hasattr(dc, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dc.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 # -- noticing a model that changed after planning --------------------------------------------------
