@@ -130,8 +130,6 @@ def study(name: str, fractions: tuple[float, ...], rounds: int, time_limit_s: fl
             paired_ratio_median=statistics.median(ratios),
             inplace_faster_rounds=wins, rounds=len(ratios),
             sign_test_p=sign_test_p(wins, len(ratios)))
-    for cell in out["cells"]:
-        cell.pop("_plans", None)
     return out
 
 
