@@ -5,7 +5,9 @@ A compiler changes what a step keeps, and by how much is measured here, never mo
 fuses ops and keeps less than eager; below ``activation_memory_budget`` 1 its partitioner also
 recomputes cheap fused ops on its own; a compiled region may keep more than its eager replay.
 Each candidate is a copy of the model, planned or not, compiled whole-model with the partitioner
-at one ``activation_memory_budget`` of `MEMORY_BUDGETS`, and stepped once for its peak.
+at one ``activation_memory_budget`` of `MEMORY_BUDGETS`, and stepped once for its peak. Below 1
+the partitioner is made to keep what eager checkpointing keeps around our regions
+(`keep_region_boundaries`), so that its own recomputation composes with theirs.
 
 For each partitioner budget, from the largest: the copy without a plan, and where that does not
 fit, our plans at the eager budgets `compiled_budget` finds, under each of the backend's
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import statistics
 from collections.abc import Callable, Sequence
@@ -96,21 +99,129 @@ def restore_recompile_limit(restore: dict[str, Any]) -> None:
 def compile_backend(backend: str, memory_budget: float = 1.0):
     """What to pass as ``torch.compile(backend=...)`` for `backend` with the partitioner's
     ``activation_memory_budget`` at `memory_budget`: the name itself at 1.0 (so that ``mode=`` and
-    ``options=`` still work with inductor), else a backend that compiles under that setting. A
-    distinct backend object per budget also makes dynamo keep one cache entry per budget (its
-    guards check the backend)."""
+    ``options=`` still work with inductor), else a backend that compiles under that setting and,
+    for inductor and aot_eager, partitions keeping our regions' boundaries
+    (`keep_region_boundaries`). A distinct backend object per budget also makes dynamo keep one
+    cache entry per budget (its guards check the backend)."""
     if memory_budget == 1.0:
         return backend
     import torch._functorch.config as fc
-    from torch._dynamo import lookup_backend
 
-    inner = lookup_backend(backend)
+    inner = _keeping_boundaries(backend)
 
     def ckpt_planner_compile_backend(gm, example_inputs):
         with fc.patch(activation_memory_budget=memory_budget):
             return inner(gm, example_inputs)
 
     return ckpt_planner_compile_backend
+
+
+def keep_region_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Mark ``MUST_SAVE``, in a joint forward-backward graph, the forward values that cross a
+    checkpointed region's boundary: what a region reads from forward ops outside it, and what
+    forward ops outside a region read from it. Returns how many nodes were marked.
+
+    Eager checkpointing keeps a region's inputs and, for the ops after it, its outputs; the
+    partitioner marks every op inside a region must-recompute, so it can never save a region's
+    output. At ``activation_memory_budget`` 1 its bans on recomputing "far apart" values keep the
+    values around regions saved; below 1 it lifts them, and a value between two regions becomes
+    recomputable from the region before, whose inputs are recomputable from the one before that:
+    backward then recomputes a chain of regions at its start and holds it (measured: a planned
+    step compiled at 0.5 peaking above the same plan at 1, and above no plan at 0.5). Kept at
+    the boundaries, the partitioner's own recomputation is left to the ops outside regions."""
+    import operator
+
+    from torch._functorch.partitioners import must_recompute
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from torch.utils._pytree import arg_tree_leaves
+
+    output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    forward: set[torch.fx.Node] = set()
+    todo = [a for a in arg_tree_leaves(*output.args)[:num_fwd_outputs]
+            if isinstance(a, torch.fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in forward:
+            forward.add(n)
+            todo.extend(n.all_input_nodes)
+
+    def readers(n: torch.fx.Node):  # through the getitems of multi-output ops
+        for u in n.users:
+            if u.target is operator.getitem and "ac_graph_id" not in u.meta:
+                yield from readers(u)
+            elif u in forward and u.op != "output":
+                yield u
+
+    marked = []
+    for n in joint.graph.nodes:
+        if n not in forward or n.op != "call_function" or n.target is operator.getitem:
+            continue
+        if must_recompute(n):
+            region = n.meta.get("ac_graph_id")
+            if any(not must_recompute(u) or u.meta.get("ac_graph_id") != region
+                   for u in readers(n)):
+                marked.append(n)  # an output of its region
+        elif (n.meta.get("recompute") != CheckpointPolicy.MUST_SAVE
+              and any(must_recompute(u) for u in readers(n))):
+            marked.append(n)  # an input of a region
+    for n in marked:
+        n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return len(marked)
+
+
+def _partition_keeping_boundaries(joint, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+    """The min-cut partitioner (inductor's and aot_eager's) after `keep_region_boundaries`."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    keep_region_boundaries(joint, num_fwd_outputs)
+    return min_cut_rematerialization_partition(joint, joint_inputs,
+                                               num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+
+def _keeping_boundaries(backend: str) -> Callable[..., Any]:
+    """`backend` as a compiler function whose partitioner keeps region boundaries: inductor
+    with `_partition_keeping_boundaries` as its ``custom_partitioner_fn`` (its joint-graph passes
+    still run first), aot_eager rebuilt with it; any other backend as dynamo has it."""
+    from torch._dynamo import lookup_backend
+
+    if backend == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        # dynamo's aot_eager with our partitioner
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                            partition_fn=_partition_keeping_boundaries,
+                            keep_inference_input_mutations=True)
+    inner = lookup_backend(backend)
+    if backend != "inductor":
+        return inner
+    import torch._inductor.config as ic
+
+    def inductor(gm, example_inputs):
+        with ic.patch(custom_partitioner_fn=_keep_boundaries_partitioner()):
+            return inner(gm, example_inputs)
+
+    return inductor
+
+
+@functools.cache
+def _keep_boundaries_partitioner() -> Any:
+    """Inductor's partitioner hook (``custom_partitioner_fn``) running
+    `_partition_keeping_boundaries`; made on first use, as importing inductor takes a second."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+
+    class KeepRegionBoundaries(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return _partition_keeping_boundaries(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> Any:
+            return get_hash_for_files((__file__,))
+
+        def __reduce__(self):  # inductor pickles its config into cache keys
+            return _keep_boundaries_partitioner, ()
+
+    return KeepRegionBoundaries()
 
 
 def compiled_budget(budget: int, eager_none: int, unplanned: int,
