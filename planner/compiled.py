@@ -153,17 +153,19 @@ def keep_region_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) ->
             elif u in forward and u.op != "output":
                 yield u
 
+    def region(n: torch.fx.Node):  # the checkpoint a node was traced in, None outside any
+        return n.meta.get("ac_graph_id")
+
     marked = []
     for n in joint.graph.nodes:
         if n not in forward or n.op != "call_function" or n.target is operator.getitem:
             continue
-        if must_recompute(n):
-            region = n.meta.get("ac_graph_id")
-            if any(not must_recompute(u) or u.meta.get("ac_graph_id") != region
-                   for u in readers(n)):
-                marked.append(n)  # an output of its region
+        if region(n) is not None:
+            # an output of its region (what its selective policy saves is saved already)
+            if must_recompute(n) and any(region(u) != region(n) for u in readers(n)):
+                marked.append(n)
         elif (n.meta.get("recompute") != CheckpointPolicy.MUST_SAVE
-              and any(must_recompute(u) for u in readers(n))):
+              and any(region(u) is not None and must_recompute(u) for u in readers(n))):
             marked.append(n)  # an input of a region
     for n in marked:
         n.meta["recompute"] = CheckpointPolicy.MUST_SAVE

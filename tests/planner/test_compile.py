@@ -6,6 +6,7 @@ dropout masks replay)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -320,16 +321,29 @@ class _Half(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.ln(x))))
 
 
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,
+                                                torch.ops.aten.addmm.default) \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class _HalfCheckpointed(torch.nn.Module):
     """A region whose output the next, uncheckpointed half reads: the values between regions are
-    ops outside them."""
+    ops outside them. `selective`: the region keeps its matmuls' outputs."""
 
-    def __init__(self, d: int):
+    def __init__(self, d: int, selective: bool = False):
         super().__init__()
         self.a, self.b = _Half(d), _Half(d)
+        self.selective = selective
 
     def forward(self, x):
-        return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False))
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        kw = {"context_fn": functools.partial(create_selective_checkpoint_contexts,
+                                              _save_matmuls)} if self.selective else {}
+        return self.b(checkpoint(self.a, x, use_reentrant=False, **kw))
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
@@ -366,10 +380,12 @@ def test_the_partitioner_below_one_keeps_region_boundaries(backend):
             torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_keep_region_boundaries_marks_what_crosses_a_region_and_nothing_inside():
+@pytest.mark.parametrize("selective", [False, True])
+def test_keep_region_boundaries_marks_what_crosses_a_region_and_nothing_inside(selective):
     """In the joint graph of two halves per block, the first checkpointed: the region's input
     (the previous block's output, computed outside any region) and its output (read by the
-    half after it) are marked must-save, and no op inside a region is."""
+    half after it) are marked must-save, and no op inside a region is, also where a selective
+    policy saves some of them (an op read by a saved one stays recomputed)."""
     import planner.compiled as pc
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
@@ -386,7 +402,7 @@ def test_keep_region_boundaries_marks_what_crosses_a_region_and_nothing_inside()
                                                    num_fwd_outputs=num_fwd_outputs, **kw)
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[_HalfCheckpointed(16) for _ in range(3)])
+    model = torch.nn.Sequential(*[_HalfCheckpointed(16, selective) for _ in range(3)])
     torch._dynamo.reset()
     backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
     torch.compile(model, backend=backend)(torch.randn(2, 4, 16)).sum().backward()
