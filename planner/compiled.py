@@ -132,9 +132,8 @@ def keep_region_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) ->
     import operator
 
     from torch._functorch.partitioners import must_recompute
-    from torch.utils.checkpoint import CheckpointPolicy
-
     from torch.utils._pytree import arg_tree_leaves
+    from torch.utils.checkpoint import CheckpointPolicy
 
     output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     forward: set[torch.fx.Node] = set()

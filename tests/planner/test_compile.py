@@ -386,10 +386,11 @@ def test_keep_region_boundaries_marks_what_crosses_a_region_and_nothing_inside(s
     (the previous block's output, computed outside any region) and its output (read by the
     half after it) are marked must-save, and no op inside a region is, also where a selective
     policy saves some of them (an op read by a saved one stays recomputed)."""
-    import planner.compiled as pc
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    import planner.compiled as pc
 
     seen = {}
 
