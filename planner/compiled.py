@@ -183,7 +183,8 @@ def _partition_keeping_boundaries(joint, joint_inputs, *, num_fwd_outputs: int, 
 def _keeping_boundaries(backend: str) -> Callable[..., Any]:
     """`backend` as a compiler function whose partitioner keeps region boundaries: inductor
     with `_partition_keeping_boundaries` as its ``custom_partitioner_fn`` (its joint-graph passes
-    still run first), aot_eager rebuilt with it; any other backend as dynamo has it."""
+    still run first; a partitioner the user set there is left alone), aot_eager rebuilt with it;
+    any other backend as dynamo has it."""
     from torch._dynamo import lookup_backend
 
     if backend == "aot_eager":
@@ -200,6 +201,8 @@ def _keeping_boundaries(backend: str) -> Callable[..., Any]:
     import torch._inductor.config as ic
 
     def inductor(gm, example_inputs):
+        if ic.custom_partitioner_fn is not None:  # the user's own partitioner stays in charge
+            return inner(gm, example_inputs)
         with ic.patch(custom_partitioner_fn=_keep_boundaries_partitioner()):
             return inner(gm, example_inputs)
 

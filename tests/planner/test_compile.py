@@ -411,3 +411,32 @@ def test_keep_region_boundaries_marks_what_crosses_a_region_and_nothing_inside(s
     # 3 regions: 3 outputs, 2 inputs computed by ops (the first block's input is the graph's)
     assert seen["marked"] == 5
     assert sorted(seen["regions"]) == [False, False, True, True, True]
+
+
+def test_a_partitioner_the_user_set_for_inductor_is_left_in_charge():
+    """`compile_backend("inductor", m < 1)` installs its partitioner only where inductor's
+    ``custom_partitioner_fn`` is unset: one the user set is the one that runs."""
+    import torch._inductor.config as ic
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    import planner.compiled as pc
+
+    calls = []
+
+    class Users(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            calls.append(pc.keep_region_boundaries(gm, kwargs["num_fwd_outputs"]) >= 0)
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return None
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_HalfCheckpointed(16))
+    torch._dynamo.reset()
+    with ic.patch(custom_partitioner_fn=Users(), fx_graph_cache=False):
+        compiled = torch.compile(model, backend=pc.compile_backend("inductor", 0.5))
+        compiled(torch.randn(2, 4, 16)).sum().backward()
+    torch._dynamo.reset()
+    assert calls == [True]
