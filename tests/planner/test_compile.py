@@ -351,7 +351,7 @@ def test_the_partitioner_below_one_keeps_region_boundaries(backend):
     """Below activation_memory_budget 1 the partitioner may recompute the values between
     checkpointed regions; as every op in a region is must-recompute, the value that feeds a
     region then chains back through every region before it, which backward recomputes at its
-    start and holds (under inductor this step peaked 40% above the same regions at 1.0).
+    start and holds (under inductor, above the same regions at 1.0).
     `compile_backend` keeps each region's inputs and outputs saved, as eager checkpointing
     does: the step then peaks no higher than at 1.0, and trains like eager."""
     import planner.compiled as pc
