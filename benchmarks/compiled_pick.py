@@ -7,7 +7,9 @@ its pick holds when every fitting candidate is timed again.
 The second argument is the budget in bytes (compare's budget for a cell: `budgets` in
 `benchmarks/compare/<model>/results.json`). Prints each fitting candidate of the search with its
 measured peak and step-time samples, the pick, then every candidate re-timed `--rounds` rounds
-in turn (2 steps each), so that a pick can be told from a tie.
+in turn (2 steps each), so that a pick can be told from a tie, together with inductor(1) without
+a plan (whether or not it fits: the reference of issue 10's half rule), each round's times also
+given as ratios to it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def main() -> None:
     loss_fn = made[2] if len(made) > 2 else None
     model.train()
 
+    reference = pc.compile_copy(model, None, "inductor", 1.0)  # before plan() changes model
+    measure(reference, x, loss_fn, repeats=1, warmup=1)  # compiles it
     seen: list[pc.Candidate] = []
     search_fastest = pc.fastest
 
@@ -52,13 +56,22 @@ def main() -> None:
                  compile="inductor")
     print(f"plan: {time.perf_counter() - t0:.0f} s")
     samples: dict[int, list[float]] = {id(c): [] for c in seen}
-    for _ in range(args.rounds):
-        for c in seen:
-            samples[id(c)].append(measure(c.module, x, loss_fn, repeats=2, warmup=0).step_ms)
+    ref: list[float] = []
+    for r in range(args.rounds):
+        order = [None, *seen] if r % 2 == 0 else [*seen[::-1], None]
+        for c in order:
+            ms = measure(reference if c is None else c.module, x, loss_fn, repeats=2,
+                         warmup=0).step_ms
+            (ref if c is None else samples[id(c)]).append(ms)
+    print(f"re-timed inductor(1) without a plan: median {statistics.median(ref):.1f} ms, "
+          f"{min(ref):.1f}-{max(ref):.1f}")
     for c in seen:
         s = samples[id(c)]
+        ratios = [t / q for t, q in zip(s, ref)]
         print(f"re-timed {c.label('inductor')} ({c.cost_model}): median "
-              f"{statistics.median(s):.1f} ms, {min(s):.1f}-{max(s):.1f}")
+              f"{statistics.median(s):.1f} ms, {min(s):.1f}-{max(s):.1f}; over inductor(1), "
+              f"per round: median {statistics.median(ratios):.3f}, "
+              f"{min(ratios):.3f}-{max(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -101,19 +101,61 @@ def compile_backend(backend: str, memory_budget: float = 1.0):
     ``activation_memory_budget`` at `memory_budget`: the name itself at 1.0 (so that ``mode=`` and
     ``options=`` still work with inductor), else a backend that compiles under that setting and,
     for inductor and aot_eager, partitions keeping our regions' boundaries
-    (`keep_region_boundaries`). A distinct backend object per budget also makes dynamo keep one
-    cache entry per budget (its guards check the backend)."""
+    (`keep_region_boundaries`) and forward's random draws (`keep_random_draws`). A distinct
+    backend object per budget also makes dynamo keep one cache entry per budget (its guards
+    check the backend). dynamo's ``"eager"`` (no partitioner, any budget) is replaced by
+    `eager_checkpointing`, which replays a region's random draws as eager checkpointing does.
+
+    A budget of 0 is passed as `LEAST_MEMORY_BUDGET`: at exactly 0 the partitioner saves only
+    the graph's inputs, ignoring every must-save mark (region boundaries, random draws)."""
+    if backend == "eager":
+        return eager_checkpointing
     if memory_budget == 1.0:
         return backend
     import torch._functorch.config as fc
 
     inner = _keeping_boundaries(backend)
+    memory_budget = max(memory_budget, LEAST_MEMORY_BUDGET)
 
     def ckpt_planner_compile_backend(gm, example_inputs):
         with fc.patch(activation_memory_budget=memory_budget):
             return inner(gm, example_inputs)
 
     return ckpt_planner_compile_backend
+
+
+LEAST_MEMORY_BUDGET = 1e-6
+"""The smallest ``activation_memory_budget`` `compile_backend` passes on (see there)."""
+
+
+def eager_checkpointing(gm: torch.fx.GraphModule, example_inputs) -> Callable[..., Any]:
+    """dynamo's ``"eager"`` backend, with each checkpointed region run by
+    ``torch.utils.checkpoint`` as in eager mode: non-reentrant, under the region's own
+    ``context_fn`` (its selective policy), and preserving the RNG state. torch's implementation
+    of a region traced by dynamo turns ``preserve_rng_state`` off, as it leaves replaying random
+    ops to AOTAutograd, which ``"eager"`` does not run: a dropout inside a region would draw
+    another mask in backward than in forward, and the gradients would be wrong with no error
+    (measured on a tiny model, and on HF GPT-2 with a padded mask)."""
+    hop = torch.ops.higher_order.tag_activation_checkpoint
+    for g in gm.modules():  # regions nested in regions are calls in their bodies' graphs
+        if isinstance(g, torch.fx.GraphModule):
+            for n in g.graph.nodes:
+                if n.op == "call_function" and n.target is hop:
+                    n.target = _checkpoint_region
+            g.recompile()
+    return gm.forward
+
+
+def _checkpoint_region(body: torch.fx.GraphModule, *args, **kwargs):
+    """One region dynamo traced (a ``tag_activation_checkpoint`` call), run by eager
+    ``torch.utils.checkpoint`` (`eager_checkpointing`)."""
+    from torch._higher_order_ops.wrap import TagActivationCheckpoint
+    from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+    options, body_kwargs = TagActivationCheckpoint.divide_kwargs(kwargs)
+    options.update(use_reentrant=False, preserve_rng_state=True,
+                   context_fn=body.meta.get("_checkpoint_context_fn", noop_context_fn))
+    return checkpoint(body, *args, **options, **body_kwargs)
 
 
 def keep_region_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
@@ -132,18 +174,9 @@ def keep_region_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) ->
     import operator
 
     from torch._functorch.partitioners import must_recompute
-    from torch.utils._pytree import arg_tree_leaves
     from torch.utils.checkpoint import CheckpointPolicy
 
-    output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
-    forward: set[torch.fx.Node] = set()
-    todo = [a for a in arg_tree_leaves(*output.args)[:num_fwd_outputs]
-            if isinstance(a, torch.fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n not in forward:
-            forward.add(n)
-            todo.extend(n.all_input_nodes)
+    forward = _forward_nodes(joint, num_fwd_outputs)
 
     def readers(n: torch.fx.Node):  # through the getitems of multi-output ops
         for u in n.users:
@@ -171,11 +204,52 @@ def keep_region_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) ->
     return len(marked)
 
 
+def _forward_nodes(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> set[torch.fx.Node]:
+    """The nodes of a joint graph that its forward outputs depend on."""
+    from torch.utils._pytree import arg_tree_leaves
+
+    output = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    forward: set[torch.fx.Node] = set()
+    todo = [a for a in arg_tree_leaves(*output.args)[:num_fwd_outputs]
+            if isinstance(a, torch.fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in forward:
+            forward.add(n)
+            todo.extend(n.all_input_nodes)
+    return forward
+
+
+def keep_random_draws(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Mark ``MUST_SAVE``, in a joint forward-backward graph, every forward op outside our
+    regions that draws from a random generator (aten's dropout, ``rand_like``, ...; inductor's
+    ``inductor_seeds``, from which its random kernels derive theirs). Returns how many.
+
+    Below ``activation_memory_budget`` 1 the partitioner may choose to recompute such an op in
+    backward, where it draws again: backward then differentiates through other dropout masks
+    than forward used, with no error (pytorch/pytorch#190758; measured here under aot_eager
+    and inductor, with and without our regions). Saved, the op runs once. Inside a region the
+    op is must-recompute, and the partitioner replays it with forward's RNG state."""
+    from torch._functorch.partitioners import must_recompute
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    marked = 0
+    for n in _forward_nodes(joint, num_fwd_outputs):
+        if (n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(
+                n.target, "tags", ()) and not must_recompute(n)
+                and n.meta.get("recompute") != CheckpointPolicy.MUST_SAVE):
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            marked += 1
+    return marked
+
+
 def _partition_keeping_boundaries(joint, joint_inputs, *, num_fwd_outputs: int, **kwargs):
-    """The min-cut partitioner (inductor's and aot_eager's) after `keep_region_boundaries`."""
+    """The min-cut partitioner (inductor's and aot_eager's) after `keep_region_boundaries` and
+    `keep_random_draws`."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     keep_region_boundaries(joint, num_fwd_outputs)
+    keep_random_draws(joint, num_fwd_outputs)
     return min_cut_rematerialization_partition(joint, joint_inputs,
                                                num_fwd_outputs=num_fwd_outputs, **kwargs)
 

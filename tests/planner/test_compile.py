@@ -440,3 +440,111 @@ def test_a_partitioner_the_user_set_for_inductor_is_left_in_charge():
         compiled(torch.randn(2, 4, 16)).sum().backward()
     torch._dynamo.reset()
     assert calls == [True]
+
+
+ZOO_BELOW_ONE = ["gpt2_padded", "llama_padded", "peft_lora_llama", "mistral", "t5", "bert", "vit",
+                 "moe_top2", "value_branch"]
+"""Zoo models (`tests.zoo`) no compiled test was written for: padded masks, PEFT, a sliding
+window, an encoder-decoder, an encoder, a vision model, data-dependent routing, value-dependent
+Python (a graph break)."""
+
+
+def _zoo_step(module, inputs, loss_fn, owner):
+    """One step of `module` (the model or its compiled wrapper): loss and `owner`'s gradients."""
+    for p in owner.parameters():
+        p.grad = None
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        loss = (loss_fn or default_loss)(call(module, inputs))
+        loss.backward()
+    grads = {k: p.grad.clone() for k, p in owner.named_parameters() if p.grad is not None}
+    for p in owner.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("name", ZOO_BELOW_ONE)
+def test_zoo_plans_compile_below_one_and_train_like_eager(name):
+    """Planned at half its activation memory (or its floor) and compiled whole with
+    `compile_backend("aot_eager", 0.5)`, which partitions below 1 keeping our regions' boundaries
+    and forward's random draws: each model (dropout on) trains like the uncompiled planned model,
+    loss and gradients, on the example batch and on a smaller one (a second shape, compiled
+    again); so does it under `compile_backend("eager")` (dynamo without AOTAutograd)."""
+    import planner.compiled as pc
+
+    torch.manual_seed(0)
+    case = CASES[name]()
+    model = case.model
+    prof = planner.profile(model, case.inputs, loss_fn=case.loss_fn, repeats=1)
+    n, f = simulate(prof).peak_bytes, prof.fixed_bytes
+    budget = max(int(f + 0.5 * (n - f)), smallest_peak(prof) + SLACK_BYTES)
+    p = planner.plan_from_profile(model, prof, budget_bytes=budget)
+    assert p.schedule.regions
+    try:
+        for backend in (pc.compile_backend("aot_eager", 0.5), pc.compile_backend("eager")):
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=backend)
+            for inputs in (case.inputs, case.small_inputs):
+                l0, want = _zoo_step(model, inputs, case.loss_fn, model)
+                l1, got = _zoo_step(compiled, inputs, case.loss_fn, model)
+                torch.testing.assert_close(l1, l0)
+                assert want and got.keys() == want.keys()
+                for k in want:
+                    torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    finally:
+        planner.remove(model)
+        torch._dynamo.reset()
+
+
+class _Dropouts(torch.nn.Module):
+    """Three residual blocks with a dropout each, optionally checkpointed."""
+
+    def __init__(self, checkpointed: bool):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+        self.drop = torch.nn.Dropout(0.3)
+        self.checkpointed = checkpointed
+
+    def block(self, x):
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for _ in range(3):
+            x = x + (checkpoint(self.block, x, use_reentrant=False) if self.checkpointed
+                     else self.block(x))
+        return x
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor", "eager"])
+def test_compiled_steps_differentiate_through_forwards_dropout_masks(backend, checkpointed):
+    """Below ``activation_memory_budget`` 1 (0.5, and 0, which the partitioner treats apart)
+    torch's partitioner may recompute a dropout in backward, drawing a new mask; under dynamo's
+    "eager" backend a checkpointed region replays its dropout with a new mask. Either way the
+    loss is forward's and the gradients are another mask's. Through `compile_backend` the
+    gradients are those of the backend at budget 1 (for aot_eager and "eager": of eager mode),
+    with the same loss. The reference runs the same seed, so both draw the same masks."""
+    import planner.compiled as pc
+
+    torch.manual_seed(0)
+    model = _Dropouts(checkpointed)
+    x = torch.randn(8, 32)
+
+    def step(module):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        loss = module(x).square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    want = step(model if backend != "inductor" else torch.compile(model, backend="inductor"))
+    for m in ((1.0,) if backend == "eager" else (0.5, 0.0)):
+        torch._dynamo.reset()
+        got = step(torch.compile(model, backend=pc.compile_backend(backend, m)))
+        torch.testing.assert_close(got[0], want[0])
+        for g, w in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
