@@ -15,6 +15,7 @@ fit, our plans at the eager budgets `compiled_budget` finds, under each of the b
 recomputation is cheap). The candidates that fit are timed in turn, the two fastest again while
 they are within a few percent of each other; plans are searched at a lower partitioner budget
 only while going down has measured faster, the copy without a plan at every one (`search`).
+The pick is made after timing every fitting candidate side by side (`fastest`).
 The plan is the fastest of our regions, the compiler's own recomputation, or both together.
 
 Which of two candidates is faster is read from the rounds both were timed in, one ratio per
@@ -569,14 +570,31 @@ def _tournament(candidates: Sequence[Candidate]) -> Candidate:
 
 
 def _pair(candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate, list[float]]:
-    """The two fastest timed candidates (`_tournament`), the faster of them first as their own
-    paired rounds say, and its per-round ratios to the other."""
+    """The two fastest timed candidates, the faster of them first as their own paired rounds
+    say, and its per-round ratios to the other. Where at least `TIMING_ROUNDS` rounds timed
+    every one of them, the two are those with the least median, over those rounds, of their
+    time over the round's median time; else the winners of `_tournament`."""
     timed = [c for c in candidates if c.step_ms]
-    a = _tournament(timed)
-    b = _tournament([c for c in timed if c is not a])
+    common = _common_rounds(timed)
+    if len(common) >= TIMING_ROUNDS:
+        def score(c: Candidate) -> float:
+            return statistics.median(dict(zip(c.step_rounds, c.step_ms))[r] / typical[r]
+                                     for r in common)
+
+        typical = {r: statistics.median(dict(zip(c.step_rounds, c.step_ms))[r] for c in timed)
+                   for r in common}
+        a, b = sorted(timed, key=score)[:2]
+    else:
+        a = _tournament(timed)
+        b = _tournament([c for c in timed if c is not a])
     if _faster(b, a) is b:
         a, b = b, a
     return a, b, _paired(a, b)
+
+
+def _common_rounds(candidates: Sequence[Candidate]) -> set[int]:
+    """The timing rounds every one of `candidates` was timed in."""
+    return set.intersection(*(set(c.step_rounds) for c in candidates)) if candidates else set()
 
 
 def _best(candidates: Sequence[Candidate]) -> Candidate:
@@ -605,12 +623,18 @@ def _median(c: Candidate) -> float:
 
 def fastest(candidates: Sequence[Candidate], time_step: Callable[[torch.nn.Module], float],
             rounds: int = TIMING_ROUNDS) -> Candidate:
-    """The fastest candidate: timed in turn for `rounds` rounds unless `search` timed them all
-    already, the two fastest again while they are a close call (`_settle`), and of those two the
-    one their paired rounds rank first. With one candidate, that one, untimed."""
+    """The fastest candidate: all of them timed together, in turn, for `rounds` rounds unless
+    that many rounds timed them all already, the two fastest over those rounds timed again
+    while a close call (`_settle`), and of those two the one their paired rounds rank first.
+    With one candidate, that one, untimed.
+
+    `search` times each partitioner budget's candidates with the fastest before them, so across
+    budgets its rounds link the candidates in a chain of pairs; a noisy round in any link
+    would decide between two candidates that never ran side by side. The final rounds time
+    them all side by side."""
     if len(candidates) == 1:
         return candidates[0]
-    if any(not c.step_ms for c in candidates):
+    if len(_common_rounds(candidates)) < rounds:
         _time(candidates, time_step, rounds)
     _settle(candidates, time_step)
     return _best(candidates)

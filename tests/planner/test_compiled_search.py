@@ -100,25 +100,28 @@ def test_below_a_budget_that_was_no_faster_only_the_compiler_alone_is_tried(comp
     assert [(c.memory_budget, c.schedule is None) for c in fits] == \
         [(1.0, False), (0.8, False), (0.5, True)]
     assert [s for s, m in compiles if m == 0.5] == [None]  # no plan compiled at 0.5
-    assert pc.fastest(fits, lambda module: pytest.fail("timed already")).memory_budget == 0.5
+    assert pc.fastest(fits, lambda module: times[module.m]).memory_budget == 0.5
     compiles.clear()
     fits, _ = _search(110, times)  # inductor(0.5) alone does not fit, and no plan is tried
     assert [c.memory_budget for c in fits] == [1.0, 0.8]
     assert [s for s, m in compiles if m == 0.5] == [None]
-    assert pc.fastest(fits, lambda module: pytest.fail("timed already")).memory_budget == 1.0
+    assert pc.fastest(fits, lambda module: pytest.fail("timed together already")
+                      ).memory_budget == 1.0
 
 
 def test_where_the_compiler_alone_fits_no_plan_is_searched(compiles):
     """At 250 the copy without a plan fits at every partitioner budget: no plan is compiled,
     and every budget's copy is timed (its step time is not monotone in the budget)."""
-    fits, tried = _search(250, {1.0: 10.0, 0.8: 9.0, 0.5: 9.5})
+    times = {1.0: 10.0, 0.8: 9.0, 0.5: 9.5}
+    fits, tried = _search(250, times)
     assert [(c.memory_budget, c.schedule) for c in fits] == [(1.0, None), (0.8, None), (0.5, None)]
     assert all(s is None for s, _ in compiles) and len(tried) == 3
-    assert pc.fastest(fits, lambda module: pytest.fail("timed already")).memory_budget == 0.8
+    assert pc.fastest(fits, lambda module: times[module.m]).memory_budget == 0.8
     compiles.clear()
-    fits, _ = _search(250, {1.0: 10.0, 0.8: 11.0, 0.5: 9.0})
+    times = {1.0: 10.0, 0.8: 11.0, 0.5: 9.0}
+    fits, _ = _search(250, times)
     assert [c.memory_budget for c in fits] == [1.0, 0.8, 0.5] and len(compiles) == 3
-    assert pc.fastest(fits, lambda module: pytest.fail("timed already")).memory_budget == 0.5
+    assert pc.fastest(fits, lambda module: times[module.m]).memory_budget == 0.5
     untimed, _ = pc.search(object(), SimpleNamespace(calls=()), 250, backend="inductor",
                            eager_none=EAGER_NONE, solve_at=_solve_at, step=_step)
     assert len(untimed) == 1  # without timing, the first fit without a plan is the answer
@@ -136,7 +139,7 @@ def test_by_default_the_compiler_alone_is_tried_down_to_0_2(compiles):
     assert [(c.memory_budget, c.schedule is None) for c in fits] == \
         [(1.0, False), (0.8, False), (0.2, True)]
     assert [s for s, m in compiles if m in (0.5, 0.2)] == [None, None]
-    assert pc.fastest(fits, lambda module: pytest.fail("timed already")).memory_budget == 0.2
+    assert pc.fastest(fits, lambda module: times[module.m]).memory_budget == 0.2
 
 
 def test_rows_already_measured_are_reused_and_nothing_fitting_returns_no_candidate(compiles):
@@ -204,8 +207,31 @@ def test_a_machine_slowing_down_between_budgets_does_not_decide(compiles):
     assert calls[:fast_steps].count(0.5) == 0 and 0.5 in calls[fast_steps:]
     assert len(plan.step_ms) > len(alone.step_ms) and pc._median(plan) < pc._median(alone)
     assert pc._paired(alone, plan) == [pytest.approx(8.0 / 10.6)] * len(alone.step_ms)
-    best = pc.fastest(fits, lambda module: pytest.fail("told apart already"))
+    best = pc.fastest(fits, time_step)  # still slow: all three side by side
     assert (best.memory_budget, best.schedule) == (0.5, None)
+    assert len(pc._common_rounds(fits)) == pc.TIMING_ROUNDS
+
+
+def test_the_pick_is_timed_side_by_side_not_read_from_a_chain_of_pairs():
+    """A search times each budget's candidates with the best before them: here A (10 ms) lost
+    to B in B's rounds (B's steps ran fast by chance), and B lost to C in C's: read along that
+    chain, C (10.8 ms) wins, though it never ran beside A. `fastest` times all three side by
+    side first, and A, the fastest, is picked; the close call between A and B is timed again
+    until their paired rounds agree."""
+    true_ms = {"A": 10.0, "B": 10.5, "C": 10.8}
+
+    def timed(name: str, rounds: list[int], times: list[float]) -> pc.Candidate:
+        return pc.Candidate(None, 1.0, 0, SimpleNamespace(name=name), fits=True,
+                            step_ms=list(times), step_rounds=list(rounds))
+
+    a = timed("A", [-1, -2, -3], [10.0] * 3)
+    b = timed("B", [-1, -2, -3, -4, -5, -6], [9.5] * 3 + [10.5] * 3)
+    c = timed("C", [-4, -5, -6], [10.0] * 3)
+    assert pc._tournament([a, b, c]) is c  # the chain alone
+    best = pc.fastest([a, b, c], lambda module: true_ms[module.name])
+    assert best is a
+    assert len(pc._common_rounds([a, b, c])) == pc.TIMING_ROUNDS
+    assert len(pc._paired(a, b)) == pc.MAX_TIMING_ROUNDS
 
 
 def test_rounds_that_disagree_are_timed_again(compiles):
