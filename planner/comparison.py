@@ -44,6 +44,7 @@ from planner.compiled import (
     compile_backend,
     compile_copy,
     raise_recompile_limit,
+    torch_memory_budget,
 )
 from planner.compiled import fastest as compiled_fastest
 from planner.compiled import search as compiled_search
@@ -670,7 +671,11 @@ def compare(
                     row = Row(strategy=f"{label}({b:g})", kind="compile", method=backend)
                     try:
                         torch._dynamo.reset()  # no reuse of another budget's graphs
-                        cm = torch.compile(model, backend=compile_backend(backend, b))
+                        # budget 0: torch's knob as is (compile_backend would raise it to
+                        # LEAST_MEMORY_BUDGET so that its marks hold); elsewhere the same
+                        # setting, random draws kept (on models without any, the knob as is)
+                        cm = torch.compile(model, backend=compile_backend(backend, b) if b > 0
+                                           else torch_memory_budget(backend, b))
                     except Exception as ex:  # noqa: BLE001
                         row.status = f"error: {type(ex).__name__}: {ex}"[:200]
                         add(row, None)
@@ -775,7 +780,7 @@ def compare(
             own: dict[float, tuple[int, torch.nn.Module]] = {}
 
             def unplanned(m: float, backend=backend, rows_at=rows_at, own=own):
-                if m in rows_at:
+                if m in rows_at and m > 0:  # the same compiled configuration (above)
                     return rows_at[m].peaks[0], rows_at[m].module
                 if m not in own:
                     module = compile_copy(model, None, backend, m)

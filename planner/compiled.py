@@ -129,6 +129,25 @@ LEAST_MEMORY_BUDGET = 1e-6
 """The smallest ``activation_memory_budget`` `compile_backend` passes on (see there)."""
 
 
+def torch_memory_budget(backend: str, memory_budget: float):
+    """`backend` under torch's own ``activation_memory_budget`` knob at `memory_budget`, with
+    nothing of ours: what compare's anchor rows at budget 0 compile with, where `compile_backend`
+    would pass `LEAST_MEMORY_BUDGET` instead (and keep random draws, which torch's knob at 0
+    recomputes)."""
+    if memory_budget == 1.0:
+        return backend
+    import torch._functorch.config as fc
+    from torch._dynamo import lookup_backend
+
+    inner = lookup_backend(backend)
+
+    def torch_activation_memory_budget(gm, example_inputs):
+        with fc.patch(activation_memory_budget=memory_budget):
+            return inner(gm, example_inputs)
+
+    return torch_activation_memory_budget
+
+
 def eager_checkpointing(gm: torch.fx.GraphModule, example_inputs) -> Callable[..., Any]:
     """dynamo's ``"eager"`` backend, with each checkpointed region run by
     ``torch.utils.checkpoint`` as in eager mode: non-reentrant, under the region's own
@@ -236,12 +255,26 @@ def keep_random_draws(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
 
     marked = 0
     for n in _forward_nodes(joint, num_fwd_outputs):
-        if (n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(
-                n.target, "tags", ()) and not must_recompute(n)
+        if (n.op == "call_function" and _draws(n) and not must_recompute(n)
                 and n.meta.get("recompute") != CheckpointPolicy.MUST_SAVE):
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             marked += 1
     return marked
+
+
+def _draws(n: torch.fx.Node) -> bool:
+    """Whether op `n` draws random numbers: its op is tagged ``nondeterministic_seeded``, less
+    the attention kernels called with ``dropout_p`` 0 (tagged for their dropout, which is off;
+    marking them would keep the partitioner from recomputing attention)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+        return False
+    schema = getattr(n.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    p = n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", 0.0)
+    return not isinstance(p, (int, float)) or p != 0
 
 
 def _partition_keeping_boundaries(joint, joint_inputs, *, num_fwd_outputs: int, **kwargs):

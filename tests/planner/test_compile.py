@@ -548,3 +548,33 @@ def test_compiled_steps_differentiate_through_forwards_dropout_masks(backend, ch
         for g, w in zip(got[1], want[1], strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.3])
+def test_attention_counts_as_a_random_draw_only_with_its_dropout_on(attention_dropout):
+    """SDPA's kernels are tagged as drawing random numbers for their dropout: with dropout_p 0
+    they are left to the partitioner (marking them would keep it from recomputing attention);
+    with it on they are kept, as is a dropout."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    import planner.compiled as pc
+
+    seen = []
+
+    def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        seen.append(pc.keep_random_draws(joint, num_fwd_outputs))
+        return min_cut_rematerialization_partition(joint, joint_inputs,
+                                                   num_fwd_outputs=num_fwd_outputs, **kw)
+
+    def f(x):
+        y = torch.nn.functional.scaled_dot_product_attention(x, x, x,
+                                                              dropout_p=attention_dropout)
+        return torch.nn.functional.dropout(y.relu(), 0.2)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition)
+    torch.compile(f, backend=backend)(torch.randn(2, 4, 8, 16, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    assert seen == [1 if attention_dropout == 0 else 2]
