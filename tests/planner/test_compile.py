@@ -442,11 +442,10 @@ def test_a_partitioner_the_user_set_for_inductor_is_left_in_charge():
     assert calls == [True]
 
 
-ZOO_BELOW_ONE = ["gpt2_padded", "llama_padded", "peft_lora_llama", "t5", "bert", "vit",
-                 "moe_top2", "value_branch"]
-"""Zoo models (`tests.zoo`) no compiled test was written for: padded masks, PEFT, an
-encoder-decoder, an encoder (its plan nests regions), a vision model, data-dependent routing,
-value-dependent Python (a graph break)."""
+ZOO_BELOW_ONE = ["gpt2_padded", "peft_lora_llama", "bert", "value_branch"]
+"""Zoo models (`tests.zoo`) no compiled test was written for: a padded mask, PEFT, an encoder
+whose plan nests regions, value-dependent Python (a graph break). Llama padded, T5, ViT and the
+top-2 MoE pass too (run by hand); they are left out for CI's time."""
 
 
 def _zoo_step(module, inputs, loss_fn, owner):
