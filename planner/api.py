@@ -552,7 +552,7 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
         p, schedule=schedule, profile=used, budget_bytes=budget, local_profile=local,
         compiled_peak_bytes=max(best.peak_bytes + state, update or 0), compiled_backend=backend,
         compile_memory_budget=best.memory_budget,
-        compile_search=[c.summary() for c in tried],
+        compile_search=[c.summary(best) for c in tried],
         margin_bytes=spread + (max(0, target - best.eager_budget)
                                if best.eager_budget is not None else 0))
 

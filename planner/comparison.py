@@ -801,10 +801,10 @@ def compare(
                     row.status = f"error: {type(ex).__name__}: {ex}"[:200]
                     add(row, None)
                     continue
-                row.searched = [c.summary() for c in tried]
-                for c in tried:
-                    say(f"  searched {c.describe(label)}")
                 if not fits:
+                    row.searched = [c.summary() for c in tried]
+                    for c in tried:
+                        say(f"  searched {c.describe(label)}")
                     planned = [c for c in tried if c.schedule is not None]
                     if planned:
                         row.status = "does not fit compiled: measured " + ", ".join(
@@ -817,6 +817,10 @@ def compare(
                     add(row, None)
                     continue
                 best = compiled_fastest(fits, time_step)
+                # Summarized after the pick: its final side-by-side rounds are in the medians.
+                row.searched = [c.summary(best) for c in tried]
+                for c in tried:
+                    say(f"  searched {c.describe(label)}{'  <- picked' if c is best else ''}")
                 row.method = f"{backend}({best.memory_budget:g}), " + (
                     best.schedule.method if best.schedule is not None else "none")
                 if best.schedule is not None and best.cost_model != EAGER_COST.name:

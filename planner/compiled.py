@@ -442,8 +442,11 @@ class Candidate:
         regions = "no plan" if self.schedule is None else f"{len(self.schedule.regions)} regions"
         return f"{backend}({self.memory_budget:g}) with {regions}"
 
-    def summary(self) -> dict[str, Any]:
-        """What was tried and measured, as JSON: for the compare rows and the plan's report."""
+    def summary(self, picked: Candidate | None = None) -> dict[str, Any]:
+        """What was tried and measured, as JSON: for the compare rows and the plan's report.
+        `rounds` lists (timing round, step ms) in the order timed: a candidate's median mixes
+        rounds minutes apart, and the pick (`picked`: this is the one `fastest` chose) reads the
+        rounds two candidates share, so the rounds are what tells why one was picked."""
         return {
             "memory_budget": self.memory_budget,
             "eager_budget_bytes": self.eager_budget,
@@ -452,6 +455,9 @@ class Candidate:
             "peak_bytes": self.peak_bytes,
             "fits": self.fits,
             "step_ms": _median(self) if self.step_ms else None,
+            "rounds": [[r, round(t, 3)] for r, t in zip(self.step_rounds, self.step_ms,
+                                                         strict=True)],
+            "picked": picked is self,
         }
 
     def describe(self, backend: str) -> str:
@@ -459,7 +465,8 @@ class Candidate:
         mib = 2**20
         planned = "" if self.schedule is None or self.eager_budget is None else (
             f", planned for {self.eager_budget / mib:.2f} MiB eager ({self.cost_model})")
-        timed = f", {_median(self):.1f} ms" if self.step_ms else ""
+        timed = (f", {_median(self):.1f} ms (median of {len(self.step_ms)} steps)"
+                 if self.step_ms else "")
         return (f"{self.label(backend)}{planned}: {self.peak_bytes / mib:.2f} MiB"
                 f"{'' if self.fits else ', does not fit'}{timed}")
 

@@ -300,6 +300,10 @@ def test_plan_for_compile_searches_the_partitioners_memory_budget():
             if p.compile_memory_budget == 1.0:
                 assert p.schedule.regions and p.compile_backend == "aot_eager"
             assert "activation_memory_budget" in p.report()
+            picked = [c for c in p.compile_search if c["picked"]]
+            assert len(picked) == 1 and picked[0]["fits"]
+            assert picked[0]["memory_budget"] == p.compile_memory_budget
+            assert (picked[0]["regions"] > 0) == bool(p.schedule.regions)
             torch._dynamo.reset()
             again = torch.compile(model, backend=p.compile_backend)
             assert measure(again, x, repeats=1).peak_bytes <= budget

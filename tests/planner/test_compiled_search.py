@@ -89,6 +89,16 @@ def test_every_configuration_tried_is_summarized_with_what_it_measured(compiles)
         assert (s["step_ms"] is None) == (not s["fits"])
         assert ("does not fit" in c.describe("inductor")) == (not s["fits"])
     assert {s["step_ms"] for s in summaries if s["fits"]} == {10.0, 9.0, 9.5}
+    # every timed step is listed with its round, and the pick is marked once it is made
+    for s, c in zip(summaries, tried, strict=True):
+        assert [t for _, t in s["rounds"]] == c.step_ms and not s["picked"]
+        assert [r for r, _ in s["rounds"]] == c.step_rounds
+    best = pc.fastest(fits, lambda module: times[module.m])
+    after = [c.summary(best) for c in tried]
+    assert [s["picked"] for s in after] == [c is best for c in tried]
+    assert best.memory_budget == 0.8 and sum(s["picked"] for s in after) == 1
+    assert all(len(a["rounds"]) >= len(s["rounds"]) for a, s in zip(after, summaries,
+                                                                     strict=True))
 
 
 def test_below_a_budget_that_was_no_faster_only_the_compiler_alone_is_tried(compiles):
