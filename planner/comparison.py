@@ -801,10 +801,12 @@ def compare(
                     row.status = f"error: {type(ex).__name__}: {ex}"[:200]
                     add(row, None)
                     continue
-                if not fits:
-                    row.searched = [c.summary() for c in tried]
-                    for c in tried:
-                        say(f"  searched {c.describe(label)}")
+                # Summarized after the pick: its final side-by-side rounds are in the medians.
+                best = compiled_fastest(fits, time_step) if fits else None
+                row.searched = [c.summary(best) for c in tried]
+                for c in tried:
+                    say(f"  searched {c.describe(label)}{'  <- picked' if c is best else ''}")
+                if best is None:
                     planned = [c for c in tried if c.schedule is not None]
                     if planned:
                         row.status = "does not fit compiled: measured " + ", ".join(
@@ -816,11 +818,6 @@ def compare(
                         row.fits = False
                     add(row, None)
                     continue
-                best = compiled_fastest(fits, time_step)
-                # Summarized after the pick: its final side-by-side rounds are in the medians.
-                row.searched = [c.summary(best) for c in tried]
-                for c in tried:
-                    say(f"  searched {c.describe(label)}{'  <- picked' if c is best else ''}")
                 row.method = f"{backend}({best.memory_budget:g}), " + (
                     best.schedule.method if best.schedule is not None else "none")
                 if best.schedule is not None and best.cost_model != EAGER_COST.name:
