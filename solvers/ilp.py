@@ -27,17 +27,30 @@ Constraints:
   since the chosen intervals partition the chain, P[j] is exactly the memory the chosen intervals
   before j keep, and the LP relaxation is much tighter than with big-M rows;
 - backward peak, one row per point i (at most one interval leaves it):
-  G + P[i] + sum_j own(i, j, t) x[i, j, t] + sum_v own_delta(v) s[i, v] <= budget';
-- forward peak: G_fwd + P[last] <= budget'.
+  G + P[i] + sum_j own(i, j, t) x[i, j, t] + sum_v own_delta(v) s[i, v] <= budget' - c[i];
+- forward peak: G_fwd + P[last] <= budget' - c[fwd];
+- cuts added between rounds (below): no plan that starts with a rejected plan's steps, and
+  after a plan fits, none that the model does not price below it.
 Objective: recompute ms, sum time(i, j, t) x - sum t(v) s.
 
 add/own/time/G are dp's `ChainModel` quantities (see `solvers.dp`); a selective save of v adds
 w(v) to add, w(v) to own unless v's output is already held for the region's backward, and removes
 t(v) from the replay when v is before the early stop (every other op before it still replays, as
 `simulate` does). It is the same approximation of the simulator as dp's, without dp's memory
-discretisation; so every answer is checked with `simulate`, and when it overshoots, budget' is
-lowered by the overshoot and the MILP re-solved (`MAX_ROUNDS`). dp's answer warm-starts the
-solver and is returned instead when it is cheaper: `ilp` never costs more than `dp`.
+discretisation; so every answer is checked with `simulate` and the MILP re-solved (at most
+`MAX_ROUNDS` times, within the time limit):
+- a plan that overshoots is banned together with every plan sharing its steps up to the step the
+  simulated peak is in (memory there depends on those steps only), and c of the row the peak is
+  in rises to what the model under-counted there (the model's error is local: a skip connection
+  held across that point, a replay's transient); where the row is not known, budget' is lowered
+  by the overshoot instead;
+- after a plan fits, the MILP is solved again for a plan the model prices below it, with budget'
+  back at the budget (and above it by the room the plan left, where the model is pessimistic),
+  until none is left, the rounds or the time run out. The cheapest plan that fits is returned.
+Lowering budget' for every row at each overshoot, as this solver first did, shut out cheaper
+plans whose peak the model counts right (U-Net skip connections).
+dp's answer warm-starts the solver and is returned instead when it is cheaper: `ilp` never costs
+more than `dp`.
 
 Solver: HiGHS through highspy (`pulp.HiGHS`, warm-started with `Highs.setSolution`) where
 installed, else CBC (`pulp.PULP_CBC_CMD(warmStart=True)`).
@@ -79,8 +92,9 @@ DEFAULT_TIME_LIMIT_S = 60.0
 """Wall-clock limit of one `ilp` call (dp's warm start and every MILP round together)."""
 MAX_POINTS = 80
 """Candidate points kept for the MILP (dp's chosen cuts are always kept, even beyond this)."""
-MAX_ROUNDS = 4
-"""MILP solves per call: the first, and re-solves with a budget corrected by the simulator."""
+MAX_ROUNDS = 12
+"""MILP solves per call at most: the first, and re-solves after the simulator rejected a plan
+(or accepted one with room left), each within what is left of the time limit."""
 MIP_REL_GAP = 1e-3
 """Relative MIP gap (of the MILP's own objective) at which the solver stops and reports optimal."""
 MIB = float(2**20)
@@ -203,8 +217,13 @@ class _Chain:
                     yield i, j, t, float(m.time[oi, oj, t]), m.add[oi, oj, t] / MIB, \
                         m.own[oi, oj, t] / MIB
 
-    def build(self, budget_bytes: float) -> _Milp:
+    def build(self, budget_bytes: float, banned: tuple[Plan, ...] = (),
+              cutoff_ms: float | None = None, corr: dict[int, float] | None = None) -> _Milp:
+        """The MILP at internal budget `budget_bytes`, without the plans of `banned` (each one's
+        intervals and saves all together), and with `cutoff_ms`: only plans the model says cost
+        less than it."""
         cap = budget_bytes / MIB - self.g_mib
+        corr = corr or {}
         prob = pulp.LpProblem("ckpt", pulp.LpMinimize)
         x: dict[tuple[int, int, int], pulp.LpVariable] = {}
         cost: dict[tuple[int, int, int], float] = {}
@@ -257,10 +276,20 @@ class _Chain:
             )
             if i > 0:
                 lhs += p[i]
-            prob += lhs <= cap, f"peak_{i}"
-        prob += p[n - 1] <= budget_bytes / MIB - self.g_fwd_mib, "forward_peak"
+            prob += lhs <= cap - corr.get(i, 0.0), f"peak_{i}"
+        prob += p[n - 1] <= budget_bytes / MIB - self.g_fwd_mib - corr.get(-1, 0.0), \
+            "forward_peak"
         for (u, k), v in s.items():
             prob += v <= x[u, u + 1, CKPT], f"sel_{u}_{k}"
+        for q, plan in enumerate(banned):
+            used = [x[a] for a in ((i, j, t) for i, j, t, _ in plan) if a in x]
+            saves = [(i, k) for i, _, _, saved in plan for k in saved]
+            if len(used) < len(plan) or any(a not in s for a in saves):
+                continue  # a part of it cannot be chosen at this budget anyway
+            used += [s[a] for a in saves]
+            prob += pulp.lpSum(used) <= len(used) - 1, f"banned_{q}"
+        if cutoff_ms is not None:
+            prob += prob.objective <= cutoff_ms - max(1e-3, 1e-4 * abs(cutoff_ms)), "cutoff"
         return _Milp(prob, x, s, p)
 
     # -- plans over coarsened point indices (`Plan`) -------------------------------------------------
@@ -277,6 +306,36 @@ class _Chain:
                 ps[q] = kept
         peak = max(peak + self.g_mib, kept + self.g_fwd_mib)
         return peak * MIB, ps
+
+    def row_error(self, plan: Plan, sim: Any, k: int | None) -> tuple[int | None, float]:
+        """Where the model under-counts `plan`'s simulated peak: the MILP row the peak is in
+        (the start point of the step holding forward position `k` for a peak in backward, -1
+        for one in forward) and by how many MiB; (None, 0) where that is not known."""
+        if k is None:
+            return None, 0.0
+        m, pts = self.m, self.pts
+        sel = {u.i: {v: (w, d) for v, w, d, _ in u.sel} for u in self.units}
+        g = graph_index(self.profile)
+        peak_name = sim.peak_at.removeprefix("replay:")
+        in_forward = not sim.peak_at.startswith("replay:") and \
+            g.name_to_i.get(peak_name) in g.fwd_pos
+        kept = 0.0
+        for i, j, t, saved in plan:
+            a, b = m.cuts[pts[i]] + 1, m.cuts[pts[j]]
+            if not in_forward and a <= k <= b:
+                own = m.own[pts[i], pts[j], t] / MIB + sum(sel[i][v][1] for v in saved)
+                return i, sim.peak_bytes / MIB - (self.g_mib + kept + own)
+            kept += m.add[pts[i], pts[j], t] / MIB + sum(sel[i][v][0] for v in saved)
+        if in_forward:
+            return -1, sim.peak_bytes / MIB - (self.g_fwd_mib + kept)
+        return None, 0.0
+
+    def model_ms(self, plan: Plan) -> float:
+        """The MILP objective of a plan: recompute ms as the model counts it."""
+        m, pts = self.m, self.pts
+        sel = {u.i: {k: tm for k, _, _, tm in u.sel} for u in self.units}
+        return sum(float(m.time[pts[i], pts[j], t]) - sum(sel[i][k] for k in saved)
+                   for i, j, t, saved in plan)
 
     def regions(self, plan: Plan) -> tuple[Region, ...]:
         names = graph_index(self.profile).forward_names
@@ -351,6 +410,29 @@ class _Chain:
             milp.p[j].setInitialValue(ps[j])
 
 
+def _peak_position(profile: Profile, peak_at: str) -> int | None:
+    """The forward position whose forward or backward (or replay, inside its region) the peak
+    `Simulation.peak_at` names is in; None for an op of neither (the loss's backward, a
+    gradient's accumulation)."""
+    g = graph_index(profile)
+    i = g.name_to_i.get(peak_at.removeprefix("replay:"))
+    if i is None:
+        return None
+    if i in g.fwd_pos:
+        return g.fwd_pos[i]
+    return g.fwd_pos.get(g.grad_of[i])
+
+
+def _up_to_peak(chain: _Chain, plan: Plan, k: int | None) -> Plan:
+    """The steps of `plan` that start at or before forward position `k` (all of it for None).
+    Memory at a point of forward, and at a point of backward (the steps after it have run
+    their backward and freed what they held), depends on these steps only: a plan that shares
+    them reaches the same peak there."""
+    if k is None:
+        return plan
+    return [st for st in plan if chain.m.cuts[chain.pts[st[0]]] + 1 <= k]
+
+
 def _points(profile: Profile, m: ChainModel, keep: set[int]) -> list[int]:
     """At most MAX_POINTS of dp's cut indices (more only when `keep` needs them)."""
     k1 = len(m.cuts)
@@ -371,16 +453,18 @@ def _points(profile: Profile, m: ChainModel, keep: set[int]) -> list[int]:
     return sorted(chosen)
 
 
-def _run(chain: _Chain, budget: float, warms: list[Plan], time_left: float, backend: str
-         ) -> dict[str, Any]:
-    """One MILP solve at internal budget `budget`, warm-started from the first plan of `warms`
-    that is feasible for it."""
+def _run(chain: _Chain, budget: float, warms: list[Plan], time_left: float, backend: str,
+         banned: tuple[Plan, ...] = (), cutoff_ms: float | None = None,
+         corr: dict[int, float] | None = None) -> dict[str, Any]:
+    """One MILP solve at internal budget `budget` (without `banned`, cheaper than `cutoff_ms`:
+    `_Chain.build`), warm-started from the first plan of `warms` that is feasible for it."""
     t_build = time.perf_counter()
-    milp = chain.build(budget)
+    milp = chain.build(budget, banned, cutoff_ms, corr)
     warm_ok = False
     for warm in warms:
         if all((i, j, t) in milp.x for i, j, t, _ in warm) and \
-                chain.model_peak(warm)[0] <= budget + 1.0:
+                chain.model_peak(warm)[0] <= budget + 1.0 and warm not in banned and \
+                (cutoff_ms is None or chain.model_ms(warm) < cutoff_ms - 1e-3):
             chain.set_initial(milp, warm)
             warm_ok = True
             break
@@ -459,26 +543,31 @@ def ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) 
     if d_fits and warm is not None:
         internal = max(internal, chain.model_peak(warm)[0])  # the model may be pessimistic here
     best: tuple[float, int, tuple[Region, ...], int] | None = None  # (ms, peak, regions, round)
+    best_model_ms = math.inf  # the MILP objective of `best`'s plan
     min_peak = d.min_peak_bytes if d.min_peak_bytes is not None else math.inf
     min_regs = d.regions
-    lo_fail = math.inf
+    hi = internal  # the budget the MILP starts from
+    fit_internal = -math.inf  # the highest internal budget at which a plan fitted
+    banned: list[Plan] = []  # plans the simulator says overshoot
+    corr: dict[int, float] = {}  # MiB the model under-counted at a peak row
     first_ok = False
-    last: dict[str, Any] = {}
-    any_time_limit = raised = False
+    results: list[dict[str, Any]] = []
+    any_time_limit = False
     warms = [warm] if (d_fits and warm is not None) else []  # plans that truly fit
     for rnd in range(MAX_ROUNDS):
         left = deadline - time.perf_counter()
         if rnd > 0 and left < 0.05:
             break
-        res = _run(chain, internal, warms, left, backend)
-        last = res
+        res = _run(chain, internal, warms, left, backend, tuple(banned),
+                   best_model_ms if best is not None else None, corr)
+        results.append(res)
         stats["rounds"] = rnd + 1
         stats["solve_time_s"] += res["solve_time_s"]
         stats["build_time_s"] += res["build_time_s"]
         any_time_limit |= res["time_limit"]
         plan = res["plan"]
         if plan is None:
-            break
+            break  # nothing (cheaper than the best so far) within this budget
         regs = chain.regions(plan)
         sim = simulate(profile, regs)
         if sim.peak_bytes < min_peak:
@@ -487,17 +576,37 @@ def ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) 
             warms.insert(0, plan)
             if best is None or (sim.recompute_ms, sim.peak_bytes) < best[:2]:
                 best = (sim.recompute_ms, sim.peak_bytes, regs, rnd)
+                best_model_ms = min(best_model_ms, chain.model_ms(plan))
             if rnd == 0:
                 first_ok = res["optimal"]
+            if not res["optimal"]:
+                break  # out of time: keep what fits
+            fit_internal = max(fit_internal, internal)
+            # Look for a cheaper plan that the model placed above `internal`: back up to the
+            # budget where an overshoot lowered it, and beyond by the room this plan left where
+            # the model is pessimistic. Only plans cheaper than the best qualify from now on.
             slack = budget_bytes - sim.peak_bytes
-            if (res["optimal"] and not raised and slack > 0.005 * budget_bytes
-                    and internal + slack < lo_fail):
-                internal += slack  # a pessimistic model left room: try once more
-                raised = True
-                continue
-            break
-        lo_fail = min(lo_fail, internal)
-        internal -= sim.peak_bytes - budget_bytes
+            nxt = max(hi, internal + slack) if slack > 0.005 * budget_bytes else hi
+            if nxt <= internal:
+                break
+            internal = nxt
+            continue
+        # The model under-counts this plan's peak: never again (nor any plan that shares its
+        # steps up to where the peak is), and the budget of the MILP row the peak is in lowered
+        # by the error there; where that row is not known, the whole budget by the overshoot
+        # (not below one where a plan fitted).
+        banned.append(_up_to_peak(chain, plan, _peak_position(profile, sim.peak_at)))
+        row, err = chain.row_error(plan, sim, _peak_position(profile, sim.peak_at))
+        if row is not None and err > 0:
+            corr[row] = max(corr.get(row, 0.0), err)  # that row's budget, lowered by the error
+        else:
+            internal = max(internal - (sim.peak_bytes - budget_bytes), fit_internal)
+    stats["banned"] = len(banned)
+    stats["corrected_rows"] = len(corr)
+    # The MILP's figures of the round whose plan is returned (else of the last round); a later
+    # round that found nothing cheaper ends "Infeasible" by design, as `last_status` says.
+    last = results[best[3]] if best is not None else (results[-1] if results else {})
+    stats["last_status"] = results[-1].get("status") if results else None
     stats.update({
         "status": last.get("status"), "gap": last.get("gap"), "bound_ms": last.get("bound"),
         "objective_ms": last.get("objective"), "n_vars": last.get("n_vars"),
