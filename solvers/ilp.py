@@ -42,11 +42,14 @@ discretisation; so every answer is checked with `simulate` and the MILP re-solve
 - a plan that overshoots is banned together with every plan sharing its steps up to the step the
   simulated peak is in (memory there depends on those steps only), and c of the row the peak is
   in rises to what the model under-counted there (the model's error is local: a skip connection
-  held across that point, a replay's transient); where the row is not known, budget' is lowered
-  by the overshoot instead;
+  held across that point, a replay's transient); where the row is not known, or once more than
+  `LOCAL_OVERSHOOTS` plans in a row overshot with none that fits yet, budget' is lowered by the
+  overshoot as well;
 - after a plan fits, the MILP is solved again for a plan the model prices below it, with budget'
   back at the budget (and above it by the room the plan left, where the model is pessimistic),
-  until none is left, the rounds or the time run out. The cheapest plan that fits is returned.
+  until none is left, the rounds or the time run out, or more than `LOCAL_OVERSHOOTS` plans in a
+  row overshoot. The cheapest plan that fits is returned; `stats["stop"]` says why the search
+  ended.
 Lowering budget' for every row at each overshoot, as this solver first did, shut out cheaper
 plans whose peak the model counts right (U-Net skip connections).
 dp's answer warm-starts the solver and is returned instead when it is cheaper: `ilp` never costs
@@ -86,7 +89,7 @@ from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
 from solvers.simulate import simulate
 
-__all__ = ["DEFAULT_TIME_LIMIT_S", "MAX_POINTS", "MAX_ROUNDS", "MIP_REL_GAP", "ilp"]
+__all__ = ["DEFAULT_TIME_LIMIT_S", "MAX_POINTS", "LOCAL_OVERSHOOTS", "MAX_ROUNDS", "MIP_REL_GAP", "ilp"]
 
 DEFAULT_TIME_LIMIT_S = 60.0
 """Wall-clock limit of one `ilp` call (dp's warm start and every MILP round together)."""
@@ -95,6 +98,11 @@ MAX_POINTS = 80
 MAX_ROUNDS = 12
 """MILP solves per call at most: the first, and re-solves after the simulator rejected a plan
 (or accepted one with room left), each within what is left of the time limit."""
+LOCAL_OVERSHOOTS = 3
+"""Overshoots in a row answered by lowering only the MILP row the peak is in. After that many, a
+search that holds a plan that fits stops (the model keeps pricing plans below it that do not fit),
+and one that holds none lowers the whole budget at each further overshoot, so that a budget below
+what the model can reach ends in a few rounds instead of running them all."""
 MIP_REL_GAP = 1e-3
 """Relative MIP gap (of the MILP's own objective) at which the solver stops and reports optimal."""
 MIB = float(2**20)
@@ -554,9 +562,12 @@ def ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) 
     results: list[dict[str, Any]] = []
     any_time_limit = False
     warms = [warm] if (d_fits and warm is not None) else []  # plans that truly fit
+    in_a_row = 0  # overshoots since the last plan that fitted
+    stop = "rounds"  # why the search ended, in stats
     for rnd in range(MAX_ROUNDS):
         left = deadline - time.perf_counter()
         if rnd > 0 and left < 0.05:
+            stop = "time"
             break
         res = _run(chain, internal, warms, left, backend, tuple(banned),
                    best_model_ms if best is not None else None, corr)
@@ -567,12 +578,14 @@ def ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) 
         any_time_limit |= res["time_limit"]
         plan = res["plan"]
         if plan is None:
-            break  # nothing (cheaper than the best so far) within this budget
+            stop = "no cheaper plan"  # nothing (cheaper than the best so far) within this budget
+            break
         regs = chain.regions(plan)
         sim = simulate(profile, regs)
         if sim.peak_bytes < min_peak:
             min_peak, min_regs = sim.peak_bytes, regs
         if sim.peak_bytes <= budget_bytes:
+            in_a_row = 0
             warms.insert(0, plan)
             if best is None or (sim.recompute_ms, sim.peak_bytes) < best[:2]:
                 best = (sim.recompute_ms, sim.peak_bytes, regs, rnd)
@@ -580,7 +593,8 @@ def ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) 
             if rnd == 0:
                 first_ok = res["optimal"]
             if not res["optimal"]:
-                break  # out of time: keep what fits
+                stop = "time"  # out of time: keep what fits
+                break
             fit_internal = max(fit_internal, internal)
             # Look for a cheaper plan that the model placed above `internal`: back up to the
             # budget where an overshoot lowered it, and beyond by the room this plan left where
@@ -588,19 +602,25 @@ def ilp(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) 
             slack = budget_bytes - sim.peak_bytes
             nxt = max(hi, internal + slack) if slack > 0.005 * budget_bytes else hi
             if nxt <= internal:
+                stop = "no cheaper plan"
                 break
             internal = nxt
             continue
         # The model under-counts this plan's peak: never again (nor any plan that shares its
         # steps up to where the peak is), and the budget of the MILP row the peak is in lowered
-        # by the error there; where that row is not known, the whole budget by the overshoot
-        # (not below one where a plan fitted).
+        # by the error there; where that row is not known, or after `LOCAL_OVERSHOOTS` in a
+        # row, the whole budget by the overshoot (not below one where a plan fitted).
+        in_a_row += 1
+        if (best is not None or d_fits) and in_a_row > LOCAL_OVERSHOOTS:
+            stop = "overshoots"  # a plan that fits is in hand; the model keeps pricing wrong
+            break  # ones below it
         banned.append(_up_to_peak(chain, plan, _peak_position(profile, sim.peak_at)))
         row, err = chain.row_error(plan, sim, _peak_position(profile, sim.peak_at))
         if row is not None and err > 0:
             corr[row] = max(corr.get(row, 0.0), err)  # that row's budget, lowered by the error
-        else:
+        if row is None or err <= 0 or in_a_row > LOCAL_OVERSHOOTS:
             internal = max(internal - (sim.peak_bytes - budget_bytes), fit_internal)
+    stats["stop"] = stop
     stats["banned"] = len(banned)
     stats["corrected_rows"] = len(corr)
     # The MILP's figures of the round whose plan is returned (else of the last round); a later

@@ -198,3 +198,29 @@ def test_one_overshoot_does_not_shut_out_cheaper_plans():
     assert s.feasible and sim.peak_bytes <= budget
     assert sim.recompute_ms <= ref.recompute_ms + 1e-6
     assert s.stats["banned"] >= 1 and s.stats["corrected_rows"] >= 1  # the model did err here
+
+
+def test_search_that_holds_a_fitting_plan_stops_when_the_model_keeps_overshooting():
+    """resnet50_h100 at 0.5 x its activation peak: once a plan fits, the chain model prices plan
+    after plan below it that the simulator rejects.
+    The search keeps the plan it has and stops after `LOCAL_OVERSHOOTS` such plans in a row,
+    instead of spending every round of `MAX_ROUNDS` on them, and its answer is the same."""
+    from solvers import ilp as ilp_mod
+
+    p = Profile.load(Path(__file__).resolve().parents[2] / "profiles" / "resnet50_h100.json.gz")
+    budget = 1_475_912_804
+    s = solve(p, budget, "ilp", 60)
+    sim = simulate(p, s)
+    assert s.feasible and sim.peak_bytes <= budget
+    assert s.stats["stop"] == "overshoots"
+    assert s.stats["rounds"] < ilp_mod.MAX_ROUNDS
+    assert s.stats["banned"] >= ilp_mod.LOCAL_OVERSHOOTS
+    # No cheaper plan was left behind: with every round allowed, none is found.
+    orig = ilp_mod.LOCAL_OVERSHOOTS
+    try:
+        ilp_mod.LOCAL_OVERSHOOTS = ilp_mod.MAX_ROUNDS
+        full = solve(p, budget, "ilp", 60)
+    finally:
+        ilp_mod.LOCAL_OVERSHOOTS = orig
+    assert full.stats["rounds"] > s.stats["rounds"]
+    assert sim.recompute_ms <= simulate(p, full).recompute_ms + 1e-6
