@@ -127,6 +127,20 @@ class _Tracer(fx.Tracer):
 
 
 _EXEC = ("call_module", "call_function", "call_method", "get_attr")
+_META_ATTRS = frozenset({"dtype", "device", "shape", "ndim", "layout", "is_cuda", "is_sparse",
+                         "is_quantized", "is_meta", "requires_grad"})
+_META_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "element_size",
+                           "is_floating_point", "is_complex", "get_device"})
+
+
+def _is_meta(node: fx.Node) -> bool:
+    """A node that reads a tensor's metadata (``x.dtype``, ``x.size(-1)``): no op runs, and it
+    holds no tensor. Symbolic tracing records an attribute read where it is first used, which
+    may be many nodes after the tensor's last use (a norm's ``dt = x.dtype`` read by its final
+    ``.to(dt)``)."""
+    if node.op == "call_function":
+        return node.target is getattr and len(node.args) == 2 and node.args[1] in _META_ATTRS
+    return node.op == "call_method" and node.target in _META_METHODS
 
 
 class StagedGraph:
@@ -167,18 +181,36 @@ class StagedGraph:
         values = list(bound.arguments.values())
         return dict(zip(self.placeholders, values, strict=True))
 
+    def hoisted(self, i: int, j: int) -> list[fx.Node]:
+        """Metadata reads (`_is_meta`) among nodes i..j of values made before i: run before the
+        segment, in the code around it, so that the segment is passed the dtype or shape, not
+        the tensor. A checkpoint holds its tensor arguments until its backward, and the model
+        (as the planner's cost model) holds no tensor for a metadata read. Only reads of values
+        no other node of the segment reads: those are arguments anyway, and one of those nodes
+        could change the metadata in place (``x.unsqueeze_(0)``)."""
+        made_before = set(self.placeholders) | set(self.exec[:i])
+        seg = self.exec[i:j + 1]
+        read = {a for n in seg if not _is_meta(n) for a in n.all_input_nodes}
+        return [n for n in seg if _is_meta(n) and all(
+            a in made_before and a not in read for a in n.all_input_nodes)]
+
     def io(self, i: int, j: int) -> tuple[list[fx.Node], list[fx.Node]]:
-        """Nodes made before exec position i that nodes i..j read (the segment's arguments), and
-        nodes made in i..j that later nodes or the output read (its results)."""
+        """Nodes made before exec position i, or hoisted out of the segment (`hoisted`), that
+        nodes i..j read (the segment's arguments), and nodes made in i..j that later nodes or
+        the output read (its results)."""
         key = (i, j)
         if key not in self._io:
-            inside = set(self.exec[i:j + 1])
+            hoisted = set(self.hoisted(i, j))
+            inside = set(self.exec[i:j + 1]) - hoisted
             ins: dict[fx.Node, None] = {}
             for n in self.exec[i:j + 1]:
+                if n in hoisted:
+                    continue
                 for a in n.all_input_nodes:
                     if a not in inside:
                         ins[a] = None
-            outs = [n for n in self.exec[i:j + 1] if self.last_use.get(n, -1) > j]
+            outs = [n for n in self.exec[i:j + 1]
+                    if n not in hoisted and self.last_use.get(n, -1) > j]
             self._io[key] = (list(ins), outs)
         return self._io[key]
 
@@ -226,9 +258,13 @@ class StagedGraph:
         """Exec nodes of `items` (`nest`'s tree) into `g`, each segment as one call."""
         for item in items:
             if isinstance(item, int):
-                env[self.exec[item]] = g.node_copy(self.exec[item], lambda a: env[a])
+                if self.exec[item] not in env:  # else hoisted out of its segment: an argument
+                    env[self.exec[item]] = g.node_copy(self.exec[item], lambda a: env[a])
                 continue
             (i, j, runner), inner = item
+            for n in self.hoisted(i, j):
+                if n not in env:
+                    env[n] = g.node_copy(n, lambda a: env[a])
             ins, outs = self.io(i, j)
             call = g.call_function(
                 _segment_call(self._segment_code(module, i, j, inner), runner, i, j),

@@ -385,3 +385,65 @@ def test_traced_code_frees_a_value_the_models_loop_keeps():
             planner.remove(model)
         predicted = simulate(prof, sched).peak_bytes
         assert abs(predicted - measured) <= 64, (s.segment, predicted, measured)
+
+
+class _NormCastingBack(nn.Module):
+    """A norm that computes in float32 and casts back to its input's dtype, read as the first
+    line (CohereLayerNorm, LlamaRMSNorm): symbolic tracing records ``x.dtype`` where it is used,
+    by the final ``.to``, so the trace reads the input there."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, h):
+        dt = h.dtype
+        h = h.to(torch.float32)
+        mean = h.mean(-1, keepdim=True)
+        var = (h - mean).pow(2).mean(-1, keepdim=True)
+        h = (h - mean) * torch.rsqrt(var + 1e-5)
+        h = self.weight.to(torch.float32) * h
+        return h.to(dt)
+
+
+class _CastingBackModel(nn.Module):
+    def __init__(self, d: int = 64, vocab: int = 512):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, d)
+        self.norm = _NormCastingBack(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x, y):
+        h = self.norm(self.fc(self.emb(x)))
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def test_a_metadata_read_does_not_pass_its_tensor_into_a_run():
+    """A run that holds ``h.dtype``'s node is passed the dtype, not ``h`` (a checkpoint holds
+    its tensor arguments until its backward; the fc output would have been held with it), and
+    every run of the norm's stages is predicted as measured."""
+    torch.manual_seed(0)
+    model = _CastingBackModel()
+    x, y = torch.randint(0, 512, (4, 64)), torch.randint(0, 512, (4, 64))
+    sg = trace(model.norm, call_pattern(model.norm, (torch.randn(4, 64, 64),), {}))
+    meta = next(k for k, n in enumerate(sg.exec) if n.target is getattr)
+    assert meta > 5  # recorded where it is used, far from `h`'s last use by an op
+    ins, _ = sg.io(meta - 1, len(sg.exec) - 1)
+    assert [n.op for n in ins if n.op == "placeholder"] == []
+    assert sg.exec[meta] in ins
+    prof = planner.profile(model, (x, y), repeats=1)
+    _, g0 = loss_and_grads(model, (x, y))
+    spans = [s for s in candidate_calls(prof) if s.call.module == "norm" and s.staged]
+    assert len(spans) >= 5
+    for s in spans:
+        sched = Schedule(regions=bind(prof, (region(prof, s.a, s.b),)))
+        apply_schedule(model, sched)
+        try:
+            measured = planner.measure(model, (x, y), repeats=1).peak_bytes
+            _, g1 = loss_and_grads(model, (x, y))
+        finally:
+            planner.remove(model)
+        assert_grads_close(g0, g1)
+        predicted = simulate(prof, sched).peak_bytes
+        assert abs(predicted - measured) <= 64, (s.segment, predicted, measured)
