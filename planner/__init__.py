@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from planner.api import (
         InfeasibleBudgetError,
+        NotReproducibleError,
         Plan,
         PlanNotEffectiveError,
         Verification,
@@ -32,6 +33,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "Measurement",
     "ModelRunError",
+    "NotReproducibleError",
     "Plan",
     "PlanNotEffectiveError",
     "Verification",
@@ -54,6 +56,7 @@ _LAZY = {
     "Verification": "planner.api",
     "InfeasibleBudgetError": "planner.api",
     "PlanNotEffectiveError": "planner.api",
+    "NotReproducibleError": "planner.api",
     "ModelRunError": "planner.capture.record",
     "measure": "planner.measurement",
     "Measurement": "planner.measurement",

@@ -47,6 +47,7 @@ from solvers.units import format_bytes, parse_budget
 
 __all__ = [
     "InfeasibleBudgetError",
+    "NotReproducibleError",
     "Plan",
     "PlanNotEffectiveError",
     "Verification",
@@ -66,6 +67,11 @@ the budget exactly is taken."""
 
 class InfeasibleBudgetError(CkptPlannerError, ValueError):
     """No schedule fits the budget."""
+
+
+class NotReproducibleError(CkptPlannerError, AssertionError):
+    """`Plan.verify` cannot compare: the unplanned model's own step differs between two runs
+    from the same seed."""
 
 
 class PlanNotEffectiveError(CkptPlannerError, RuntimeError):
@@ -94,6 +100,11 @@ class Verification:
     @property
     def overhead(self) -> float:
         return self.step_ms_planned / self.step_ms_original - 1.0
+
+    @property
+    def fits_budget(self) -> bool:
+        """Whether the measured peak is within the budget (`verify` warns where it is not)."""
+        return self.measured_peak_bytes <= self.budget_bytes
 
 
 @dataclass(kw_only=True)
@@ -346,6 +357,15 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
         m1 = measure(mod, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
                      optimizer=optimizer, held_bytes=held_bytes)
     if not torch.allclose(l0, l1, rtol=rtol, atol=atol):
+        with (reference() if callable(reference) else reference) as ref:
+            again, _ = _one_step(ref, example_inputs, loss_fn, autocast=autocast)
+        if not torch.allclose(l0, again, rtol=rtol, atol=atol):
+            raise NotReproducibleError(
+                f"the unplanned model's loss differs between two steps from the same seed "
+                f"({l0.item()} vs {again.item()}): its step does not depend on torch's RNG "
+                "state alone (it reseeds, e.g. torch.seed(), or draws from another generator), "
+                "so a planned step cannot be compared with it. Make the model's randomness "
+                "follow torch.manual_seed (or verify in eval-equivalent settings, dropout off)")
         raise AssertionError(f"loss differs: original {l0.item()} vs planned {l1.item()}")
     worst = 0.0
     for name, a in g0.items():
@@ -362,6 +382,13 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
             f"({format_bytes(m1.peak_bytes)}) is not below the unplanned one "
             f"({format_bytes(m0.peak_bytes)}): checkpointing took no effect"
         )
+    if m1.peak_bytes > budget_bytes:
+        warnings.warn(
+            f"the planned step measured {format_bytes(m1.peak_bytes)} ({m1.peak_bytes} bytes), "
+            f"{m1.peak_bytes - budget_bytes} bytes above the budget {format_bytes(budget_bytes)} "
+            f"(predicted {format_bytes(predicted_peak_bytes or schedule.predicted_peak_bytes)}): "
+            "the profile missed memory this step allocates; plan again with the budget lowered "
+            "by that much", stacklevel=3)
     return Verification(
         loss_original=l0.item(),
         loss_planned=l1.item(),
@@ -859,8 +886,9 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
     """Solve `profile` (recorded from `model`) for `budget_bytes` and apply the schedule to
     `model` in place. Leaves `SLACK_BYTES` (and `margin_bytes`) of the budget unused where a plan
     can. With `budget_bytes` None, the cheapest schedule at the smallest achievable peak
-    (`solvers.solve.lowest`), its budget that peak. `example_inputs` and `loss_fn` (those of the
-    profile) let `Plan.verify` and `Plan.measure` run."""
+    (`solvers.solve.lowest`), its budget that peak plus `SLACK_BYTES`: the smallest budget at
+    which a plan leaves the slack for what the profile does not see. `example_inputs` and
+    `loss_fn` (those of the profile) let `Plan.verify` and `Plan.measure` run."""
     t0 = time.perf_counter()
     if budget_bytes is None:
         schedule = lowest(profile, time_limit_s if time_limit_s is not None else 10.0)
@@ -869,7 +897,7 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
         t1 = time.perf_counter()
         amp = getattr(torch, profile.meta.autocast) if profile.meta.autocast else None
         return Plan(module=model, schedule=schedule, profile=profile,
-                    budget_bytes=schedule.predicted_peak_bytes, autocast=amp,
+                    budget_bytes=schedule.predicted_peak_bytes + SLACK_BYTES, autocast=amp,
                     example_inputs=example_inputs, loss_fn=loss_fn,
                     seconds={"solve": t1 - t0, "apply": time.perf_counter() - t1})
     if margin_bytes:

@@ -424,6 +424,36 @@ def test_budget_strings_with_units_are_accepted():
     assert q.budget_bytes == 2 * 10**9
 
 
+def test_verify_warns_where_the_measured_peak_is_above_the_budget():
+    model, x = _gpt()
+    p = planner.plan(model, example_inputs=x, repeats=1)  # the smallest peak
+    assert p.budget_bytes == p.predicted_peak_bytes + planner.api.SLACK_BYTES
+    assert p.verify(repeats=1).fits_budget
+    p.budget_bytes = p.predicted_peak_bytes - 2**20  # as if the profile had missed 1 MiB
+    with pytest.warns(UserWarning, match="above the budget .*plan again with the budget lowered"):
+        v = p.verify(repeats=1)
+    assert not v.fits_budget
+
+
+class _Reseeding(nn.Module):
+    """Draws its dropout mask after reseeding from the OS (as Reformer's `torch.seed()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        torch.seed()
+        return self.b(torch.nn.functional.dropout(self.a(x).relu(), 0.5)).pow(2).mean()
+
+
+def test_verify_says_when_the_unplanned_model_is_not_reproducible():
+    model, x = _Reseeding(), torch.randn(32, 64)
+    p = planner.plan(model, example_inputs=x, repeats=1)
+    with pytest.raises(planner.NotReproducibleError, match="reseeds"):
+        p.verify(repeats=1)
+
+
 # -- the same misuses through the command line -------------------------------------------------------
 @dataclass(frozen=True)
 class CliRow:

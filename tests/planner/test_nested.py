@@ -153,10 +153,10 @@ def test_nesting_goes_below_one_level():
     # The public call with no budget profiles again (op times differ, and with them the
     # tie-breaks of the search): it applies the cheapest plan at that profile's smallest peak.
     p = planner.plan(model, example_inputs=x, repeats=1)
-    assert p.predicted_peak_bytes == p.budget_bytes
+    assert p.budget_bytes == p.predicted_peak_bytes + SLACK_BYTES
     v = p.verify(repeats=1)
     assert v.max_grad_rel_err <= 1e-5
-    assert v.measured_peak_bytes <= p.budget_bytes + SLACK_BYTES
+    assert v.fits_budget
 
 
 def test_pareto_front_runs_from_the_smallest_peak_to_no_checkpointing():
