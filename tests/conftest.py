@@ -1,8 +1,8 @@
 """Shared test setup.
 
 Lanes: ``pytest tests/solvers`` is torch-free and runs in seconds; ``pytest -m "not slow"`` is the
-quick lane (everything but whole-model sweeps, notebooks and distributed runs); plain ``pytest``
-runs everything, as CI does.
+quick lane (everything but whole-model sweeps, notebooks and distributed runs); ``pytest -n 2``
+runs everything in two worker processes, as CI does.
 """
 
 from __future__ import annotations
@@ -20,6 +20,13 @@ if str(ROOT) not in sys.path:  # `tests.models`, `tests.zoo`, `tests.solver_case
 # Tests never reach the network for Hugging Face models or tokenizers.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Workers of `pytest -n N` share the machine's cores: one thread each (OpenMP threads that
+    # spin-wait for a core another worker holds make every op slower), and inductor compiles
+    # in the worker itself, not in a pool of its own.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
