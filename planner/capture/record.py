@@ -1359,6 +1359,48 @@ def _align(ops: list[OpRecord], names: list[str]) -> list[int | None] | None:
     return out
 
 
+MATCH_WINDOW = 64
+"""How far ahead `_match` looks, in each run, for the two runs' ops to agree again."""
+MATCH_RUN = 4
+"""Ops in a row that must agree for `_match` to take up matching again after a difference."""
+MATCH_LEAST = 0.95
+"""The share of ops `_match` must pair for a light pass to count at all."""
+
+
+def _match(ops: list[OpRecord], names: list[str]) -> list[int | None] | None:
+    """As `_align`, tolerating a few ops that one pass ran and the other did not: where the
+    sequences differ, matching resumes at the nearest point (within `MATCH_WINDOW` ops of
+    either) from which `MATCH_RUN` ops agree, and the ops skipped on the way are unmatched
+    (None). The autograd engine clones a gradient instead of reusing it where another
+    reference to it is alive, and the structure pass holds such references, so its backward
+    may run a clone the light passes do not (FFT backward's conjugates); `_align` would drop
+    the whole pass for it. None when fewer than `MATCH_LEAST` of the ops pair up (value-
+    dependent code taking another branch). For op times and workspaces only: stages need
+    `_align`'s exact match."""
+    exact = _align(ops, names)
+    if exact is not None:
+        return exact
+    mine = [k for k, r in enumerate(ops) if r.op not in _ALIGN_SKIP]
+    theirs = [j for j, n in enumerate(names) if n not in _ALIGN_SKIP]
+    a, b = [ops[k].op for k in mine], [names[j] for j in theirs]
+    out: list[int | None] = [None] * len(ops)
+    i = j = paired = 0
+    while i < len(a) and j < len(b):
+        if a[i] == b[j]:
+            out[mine[i]] = theirs[j]
+            paired += 1
+            i, j = i + 1, j + 1
+            continue
+        step = next(((di, d - di) for d in range(1, 2 * MATCH_WINDOW + 1)
+                     for di in range(max(0, d - MATCH_WINDOW), min(d, MATCH_WINDOW) + 1)
+                     if a[i + di:i + di + MATCH_RUN] == b[j + d - di:j + d - di + MATCH_RUN]
+                     and len(a[i + di:i + di + MATCH_RUN]) == MATCH_RUN), None)
+        if step is None:
+            break
+        i, j = i + step[0], j + step[1]
+    return out if paired >= MATCH_LEAST * max(len(a), 1) else None
+
+
 class _StagingForward:
     """During the stage run: a module's forward run through its trace, noting the light
     recorder's op count before each node."""
@@ -1476,19 +1518,22 @@ def _time_ops(spec: StepSpec, recording: Recording, repeats: int, sync) -> None:
     taking another branch) is left out."""
     ops = [r for r in recording.ops if r.phase in ("forward", "loss", "backward")
            and r.op != "getitem"]
-    runs: list[list[float]] = []
+    runs: list[list[float | None]] = []
     for k in range(repeats + 1):
         rec = _Recorder(timed=True, structure=False, sync=sync)
         with restoring(spec), rec:
             run_step(spec, rec, hooks=False)
-        where = _align(ops, rec.names)
+        where = _match(ops, rec.names)
         if k == 0 or where is None:
             continue
-        runs.append([0.0 if j is None else rec.times[j] for j in where])
+        runs.append([None if j is None else rec.times[j] for j in where])
     if not runs:
         return
     for j, r in enumerate(ops):
-        r.time_ms = round(statistics.median(run[j] for run in runs), 6)
+        # an op no light pass ran (`_match`'s unmatched ops): detach, which costs nothing, or
+        # a clone only the structure pass made
+        times = [run[j] for run in runs if run[j] is not None]
+        r.time_ms = round(statistics.median(times), 6) if times else 0.0
     # one unrecorded step, for the step time the overheads are relative to
     plain = []
     for _ in range(max(2, repeats) + 1):
@@ -1515,7 +1560,7 @@ def _measure_workspace(spec: StepSpec, recording: Recording) -> None:
     with restoring(spec), torch_profile(activities=[ProfilerActivity.CPU],
                                          profile_memory=True) as prof, rec:
         run_step(spec, rec, hooks=False)
-    where = _align(ops, rec.names)
+    where = _match(ops, rec.names)
     if where is None:
         return
     at = {j: k for k, j in enumerate(where) if j is not None}

@@ -1044,3 +1044,55 @@ def test_parameters_named_like_ops_profile():
     assert len(names) == len(set(names)) and {"cos", "exp"} <= set(names)
     assert simulate(prof).peak_bytes == pytest.approx(measure(model, x, repeats=1).peak_bytes,
                                                       rel=1e-3)
+
+
+class _AutoCorrelation(nn.Module):
+    """Autoformer's autocorrelation: FFT of queries and keys, their product, inverse FFT. The
+    FFTs' backward conjugates gradients, and the autograd engine clones one where another
+    reference to it is alive: the structure pass, which holds such references, runs a clone
+    that the timing and workspace passes do not."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        q = torch.fft.rfft(self.q(x).permute(0, 2, 1).contiguous(), dim=-1)
+        k = torch.fft.rfft(self.k(x).permute(0, 2, 1).contiguous(), dim=-1)
+        corr = torch.fft.irfft(q * torch.conj(k), n=x.shape[1], dim=-1)
+        return self.o(corr.permute(0, 2, 1))
+
+
+def test_passes_that_run_a_clone_fewer_still_time_every_op_and_find_workspaces():
+    """The timing and workspace passes are matched to the recording op by op; a pass that ran
+    a backward clone fewer was dropped whole, leaving every op's time at 0 and no workspace
+    (Autoformer's step was predicted 47 KB low, its circular convolution's workspace missed).
+    Now the ops on either side of the clone are matched."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_AutoCorrelation(), _AutoCorrelation()).train(), torch.randn(4, 48, 32)
+    prof = profile(model, x, repeats=1)
+    compute = [n for n in prof.nodes if n.op in ("aten.addmm.default", "aten.mm.default",
+                                                  "aten._fft_r2c.default", "aten._fft_c2r.default")]
+    assert len(compute) >= 10
+    assert all(n.time_ms > 0 for n in compute), [n.name for n in compute if n.time_ms <= 0]
+    assert any(n.workspace_bytes > 0 for n in prof.nodes if n.op.startswith("aten._fft"))
+    # Not below the measured peak. Above it by 4 KiB on this toy (one weight gradient's size;
+    # the cause is not yet known), so not asserted exact.
+    predicted, measured = simulate(prof).peak_bytes, measure(model, x, repeats=1).peak_bytes
+    assert 0 <= predicted - measured <= 0.02 * measured, (predicted, measured)
+
+
+def test_matching_passes_pairs_around_a_missing_op_and_refuses_another_branch():
+    from types import SimpleNamespace
+
+    from planner.capture.record import _match
+
+    names = [f"aten.op{i % 7}.default" for i in range(200)]
+    ops = [SimpleNamespace(op=n) for n in names]
+    light = names[:120] + names[121:]  # the light pass ran op 120 (a clone) fewer
+    where = _match(ops, light)
+    assert where is not None and where[120] is None
+    assert all(light[where[k]] == names[k] for k in range(200) if k != 120)
+    assert where[121] == 120 and where[199] == 198
+    other = names[:100] + [f"aten.other{i}.default" for i in range(100)]  # another branch
+    assert _match(ops, other) is None
