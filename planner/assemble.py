@@ -190,6 +190,7 @@ def to_profile(
                 random=r.random,
                 mutates_buffer=r.mutates_buffer,
                 releases=tuple(sorted(r.releases)),
+                no_grad_storages=tuple(r.no_grad_storages),
             )
         )
     blockers = call_blockers(rec)

@@ -39,6 +39,7 @@ class GraphIndex:
         self.selective_op_ms = p.meta.checkpoint_selective_op_ms
         self.sbytes = list(p.storage_bytes)
         self.new = [list(nd.new_storages) for nd in nodes]
+        self.no_grad = [nd.no_grad_storages for nd in nodes]
         self.fixed_storages = {
             s for i, nd in enumerate(nodes) if nd.phase in FIXED_PHASES for s in nd.new_storages
         }
@@ -190,7 +191,10 @@ class GraphIndex:
         sequence output under a classification head): the node after which its autograd node
         dies, freeing what it saved. That node lives as long as a tensor whose `grad_fn` chain
         reaches it: its outputs and, recursively, those of the nodes after it that did not run
-        backward either, each until its last reader or until the model's code drops it."""
+        backward either, each until its last reader or until the model's code drops it; and
+        as long as a node that read one of its outputs and ran backward, until that backward
+        ran. Integer and boolean outputs (`Node.no_grad_storages`) have no `grad_fn`: they do
+        not keep it alive (`topk`'s indices, read until backward by the ops they index)."""
         end = self.dead_ends()
         return {f: end[f] for f in self.forward if self.saves[f] and f in end}
 
@@ -223,6 +227,11 @@ class GraphIndex:
                 for c in readers.get(s, ()):
                     if c > f and c in end:
                         e = max(e, end[c])
+                    elif c > f and c in self.bw_end:
+                        # a reader that ran backward holds an edge to this node until then
+                        # (its formula gave no gradient for this input: a custom Function's
+                        # None, a value it only compares)
+                        e = max(e, self.bw_end[c])
             end[f] = e
         self._dead_ends = end
         return end
@@ -234,10 +243,12 @@ class GraphIndex:
         out = set(self.new[f])
         if self.out_storage[f] is not None:
             out.add(self.out_storage[f])
+        no_grad = set(self.no_grad[f])
         if self.getitem[f]:
             for j in self.inputs_of[f]:
                 out.update(self.new[j])
-        return out
+                no_grad.update(self.no_grad[j])
+        return out - no_grad  # an integer output has no grad_fn: it keeps no node alive
 
     def last_forward_read(self) -> dict[int, int]:
         """For every storage a forward node reads, the last such node; computed once."""

@@ -107,6 +107,9 @@ class Node:
     releases: tuple[int, ...] = ()
     """Storages whose last reference held by the model's code (not by autograd) died right after
     this node ran. A storage no node releases dies after its last reader."""
+    no_grad_storages: tuple[int, ...] = ()
+    """Forward nodes: storages of `new_storages` holding integer or boolean outputs (`topk`'s
+    indices), which have no `grad_fn`: they do not keep this node's autograd node alive."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -377,7 +380,7 @@ class Profile:
                     f"{source}: nodes[{i}] ({nd['name']!r}) has unknown fields {sorted(unknown)}"
                 )
             kw = {k: tuple(v) if isinstance(v, list) else v for k, v in nd.items()}
-            for key in ("inputs", "new_storages", "saves", "releases"):
+            for key in ("inputs", "new_storages", "saves", "releases", "no_grad_storages"):
                 if key in kw and not isinstance(kw[key], tuple):
                     raise ProfileError(
                         f"{source}: nodes[{i}] ({nd['name']!r}): field {key!r} is "
@@ -545,6 +548,9 @@ def _validate(p: Profile) -> None:
         t = n.time_ms
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
             raise ProfileError(f"{where}: time_ms is {t!r}, expected a finite number >= 0")
+        if not set(n.no_grad_storages) <= set(n.new_storages):
+            raise ProfileError(f"{where}: no_grad_storages {list(n.no_grad_storages)} are not "
+                               "among the storages it allocates (new_storages)")
         for s in (*n.new_storages, *n.saves, *n.releases,
                   *(() if n.storage is None else (n.storage,))):
             if not _is_count(s) or s >= n_st:

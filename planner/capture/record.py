@@ -217,6 +217,8 @@ class OpRecord:
     (``nonzero``, boolean indexing) or a value read on the host (``.item()``)."""
     releases: list[int] = field(default_factory=list)
     """Storages whose last reference (autograd's saved copies aside) died after this op."""
+    no_grad_storages: list[int] = field(default_factory=list)
+    """Forward ops: storages of `new_storages` holding integer or boolean outputs."""
     workspace_bytes: int = 0
     """Bytes the op allocated and freed again while it ran (measured on CPU)."""
     view: bool = False
@@ -564,6 +566,7 @@ class _Recorder(TorchDispatchMode):
         outs = out if isinstance(out, tuple | list) else (out,)
         out_sids: list[int | None] = []
         new: list[int] = []
+        no_grad: list[int] = []  # integer and boolean outputs: never a grad_fn
         for t in outs:
             if not isinstance(t, torch.Tensor):
                 out_sids.append(None)
@@ -573,6 +576,8 @@ class _Recorder(TorchDispatchMode):
             if s is None:
                 s = self._new_storage(st)
                 new.append(s)
+                if not (t.is_floating_point() or t.is_complex()):
+                    no_grad.append(s)
             else:  # a view or an in-place result of an input: map this storage object too
                 self._alias(st, s)
             out_sids.append(s)
@@ -598,6 +603,7 @@ class _Recorder(TorchDispatchMode):
             module=self.module_stack[-1] if self.module_stack and self.phase == "forward" else "",
             storage=out_sids[0] if not isinstance(out, tuple | list) else None,
             new_storages=new,
+            no_grad_storages=no_grad if self.phase == "forward" else [],
             flops=flops,
             bytes_moved=sum(t.numel() * t.element_size() for t in in_tensors)
             + sum(t.numel() * t.element_size() for t in _tensors(out)),

@@ -1096,3 +1096,58 @@ def test_matching_passes_pairs_around_a_missing_op_and_refuses_another_branch():
     assert where[121] == 120 and where[199] == 198
     other = names[:100] + [f"aten.other{i}.default" for i in range(100)]  # another branch
     assert _match(ops, other) is None
+
+
+class _ProbSparse(nn.Module):
+    """Informer's ProbSparse attention, reduced: scores of every query against sampled keys pick
+    the top queries by value (`topk`), and only those attend. The sampled scores' autograd
+    nodes never run backward; what they saved (the queries, the sampled keys) dies as the
+    module returns, although `topk`'s indices live on until backward: integer tensors have no
+    `grad_fn`, so they keep no autograd node alive."""
+
+    def __init__(self, d: int = 32, top: int = 8):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.top = top
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        sample = torch.randint(x.shape[1], (self.top,))
+        m = (q @ k[:, sample].transpose(1, 2)).amax(-1)
+        idx = m.topk(self.top, dim=-1).indices
+        rows = torch.arange(x.shape[0])[:, None]
+        att = (q[rows, idx] @ k.transpose(1, 2)).softmax(-1) @ v
+        out = v.mean(1, keepdim=True).expand(-1, x.shape[1], -1).clone()
+        out[rows, idx] = att
+        return self.o(out)
+
+
+def test_what_a_node_that_never_runs_backward_saved_dies_with_its_float_outputs():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_ProbSparse(), _ProbSparse()).train(), torch.randn(4, 64, 32)
+    prof = profile(model, x, repeats=1)
+    assert any(n.no_grad_storages for n in prof.nodes if n.op == "aten.topk.default")
+    torch.manual_seed(0)
+    predicted, measured = simulate(prof).peak_bytes, measure(model, x, repeats=1).peak_bytes
+    assert abs(predicted - measured) <= 64, (predicted, measured)
+
+
+def test_a_router_node_held_by_a_reader_that_ran_backward_is_kept_until_then():
+    """HF PhiMoE's router (sparsemixer): nodes whose backward never runs, read by nodes that
+    did run backward, stay alive (and what they saved with them) until those ran; counted as
+    dying with their last reader instead, the step was predicted 6,144 B low."""
+    transformers = pytest.importorskip("transformers")
+    from tests.zoo import _hf, _lm_inputs
+
+    torch.manual_seed(0)
+    config = transformers.PhimoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=128, attention_dropout=0.1,
+        router_jitter_noise=0.01, input_jitter_noise=0.01, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, sliding_window=None)
+    model = _hf(transformers.PhimoeForCausalLM, config)
+    inputs = _lm_inputs(512, 4, 64, [64, 40, 64, 30])
+    prof = profile(model, inputs, repeats=1)
+    predicted, measured = simulate(prof).peak_bytes, measure(model, inputs, repeats=1).peak_bytes
+    assert abs(predicted - measured) <= 64, (predicted, measured)

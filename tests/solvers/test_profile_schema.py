@@ -225,6 +225,10 @@ def _allocated_twice(d):
     _node(d, "relu")["new_storages"] = [3, 2]
 
 
+def _no_grad_not_allocated(d):
+    _node(d, "relu")["no_grad_storages"] = [2]
+
+
 def _saves_on_backward(d):
     _node(d, "threshold_backward")["saves"] = [3]
 
@@ -249,6 +253,10 @@ MALFORMED = {
     "storage allocated twice": (
         _allocated_twice,
         r"nodes\[3\] \('relu'\): allocates storage 2, already allocated by 'mm'",
+    ),
+    "no_grad storage it does not allocate": (
+        _no_grad_not_allocated,
+        r"'relu'\): no_grad_storages \[2\] are not among the storages it allocates",
     ),
     "saves on a backward node": (
         _saves_on_backward,
