@@ -89,7 +89,8 @@ from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
 from solvers.simulate import simulate
 
-__all__ = ["DEFAULT_TIME_LIMIT_S", "MAX_POINTS", "LOCAL_OVERSHOOTS", "MAX_ROUNDS", "MIP_REL_GAP", "ilp"]
+__all__ = ["DEFAULT_TIME_LIMIT_S", "LOCAL_OVERSHOOTS", "MAX_POINTS", "MAX_ROUNDS", "MIP_REL_GAP",
+           "ilp"]
 
 DEFAULT_TIME_LIMIT_S = 60.0
 """Wall-clock limit of one `ilp` call (dp's warm start and every MILP round together)."""

@@ -1377,10 +1377,9 @@ def _match(ops: list[OpRecord], names: list[str]) -> list[int | None] | None:
     """As `_align`, tolerating a few ops that one pass ran and the other did not: where the
     sequences differ, matching resumes at the nearest point (within `MATCH_WINDOW` ops of
     either) from which `MATCH_RUN` ops agree, and the ops skipped on the way are unmatched
-    (None). The autograd engine clones a gradient instead of reusing it where another
-    reference to it is alive, and the structure pass holds such references, so its backward
-    may run a clone the light passes do not (FFT backward's conjugates); `_align` would drop
-    the whole pass for it. None when fewer than `MATCH_LEAST` of the ops pair up (value-
+    (None). The structure pass's backward may run an op the light passes do not (a clone in
+    Autoformer's FFT backward, likely where the recorder holds a reference the autograd engine
+    then sees); `_align` would drop the whole pass for it. None when fewer than `MATCH_LEAST` of the ops pair up (value-
     dependent code taking another branch). For op times and workspaces only: stages need
     `_align`'s exact match."""
     exact = _align(ops, names)

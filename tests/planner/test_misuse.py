@@ -433,6 +433,11 @@ def test_verify_warns_where_the_measured_peak_is_above_the_budget():
     with pytest.warns(UserWarning, match="above the budget .*plan again with the budget lowered"):
         v = p.verify(repeats=1)
     assert not v.fits_budget
+    # made for torch.compile, the budget is the compiled step's: the eager step is not judged
+    p.compiled_backend = "inductor"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert not p.verify(repeats=1).fits_budget
 
 
 class _Reseeding(nn.Module):
