@@ -28,7 +28,8 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   Python backward, at its first op that reads one (`GraphIndex.bw_unpack`).
 - Replayed tensors the region's autograd nodes need live until those nodes have run; the others
   die after their last replayed reader, or where the module's code drops them, or when the early
-  stop unwinds the replay. A cached (saved) output is consumed by the replay and dies after its
+  stop unwinds the replay; what a replayed node that never runs backward saved lives as long as
+  that node, as in forward (the replay's pack hook hands it back to the node). A cached (saved) output is consumed by the replay and dies after its
   last replayed reader unless a backward op needs it; one after the early stop is never consumed
   and lives in the frame's cache until the region's backward is done.
 - A region with random ops stashes the CPU RNG state (`preserve_rng_state`) from its forward to
@@ -576,6 +577,21 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else len(ran) - 1
             if pos > read_pos.get(s, -1):
                 read_pos[s] = pos
+    # A replayed op that never runs backward (its output does not reach the loss) keeps what
+    # it saves while its replayed autograd node lives, as in forward: the replay's pack hook
+    # hands the tensor back to the node whether or not the frame wants it. Inside a nested
+    # region's call the new frame's hook packs it instead, and nothing keeps it.
+    dead = g.dead_saver_ends()
+    if dead and ran:
+        own = set(r.own)
+        for i in ran:
+            e = dead.get(i)
+            if e is None or i not in own or i in r.saved:
+                continue
+            pos = bisect.bisect_right(ran, e) - 1 if e <= r.early_stop else len(ran) - 1
+            for s in g.saves[i]:
+                if s in r.produced and pos > read_pos.get(s, -1):
+                    read_pos[s] = pos
     frees: dict[int, list[int]] = {}
     ops = []
     held: dict[int, int] = {}

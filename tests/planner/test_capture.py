@@ -1132,6 +1132,49 @@ def test_what_a_node_that_never_runs_backward_saved_dies_with_its_float_outputs(
     assert abs(predicted - measured) <= 64, (predicted, measured)
 
 
+class _SampledMax(nn.Module):
+    """A top-query pick from the column maxima of the scores (`max` saves its int64 indices);
+    its output does not reach the loss, so `max`'s autograd node never runs backward and holds
+    the indices while `m`, a local, lives: until the call returns, in forward and in a replay."""
+
+    def __init__(self, d: int = 32, top: int = 8):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.top = top
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        scores = q @ k.transpose(1, 2)
+        m = scores.max(0)[0].sum(-1)
+        idx = m.topk(self.top)[1].expand(x.shape[0], -1)
+        rows = torch.arange(x.shape[0])[:, None]
+        att = (q[rows, idx] @ k.transpose(1, 2)).softmax(-1) @ v
+        out = v * 2
+        out[rows, idx] = att
+        return self.o(out)
+
+
+def test_a_replayed_node_that_never_runs_backward_keeps_what_it_saved_while_it_lives():
+    """The replay's pack hook hands each saved tensor back to the replayed autograd node, so a
+    node whose backward never runs keeps its saves as long as in forward (Informer's sampled
+    scores); counted as dying after their last replayed reader, the replay was predicted low."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_SampledMax(), _SampledMax()).train()
+    x = torch.randn(8, 256, 32)
+    prof = profile(model, x, repeats=1)
+    calls = {c.call.module: c for c in candidate_calls(prof) if c.segment is None}
+    regions = bind(prof, tuple(region(prof, calls[m].a, calls[m].b) for m in ("0", "1")))
+    sim = simulate(prof, regions)
+    assert sim.peak_at.startswith("replay:")  # the peak is where the rule matters
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        torch.manual_seed(0)
+        measured = measure(model, x, repeats=1).peak_bytes
+    finally:
+        remove(model)
+    assert abs(sim.peak_bytes - measured) <= 64, (sim.peak_bytes, measured)
+
+
 def test_a_router_node_held_by_a_reader_that_ran_backward_is_kept_until_then():
     """HF PhiMoE's router (sparsemixer): nodes whose backward never runs, read by nodes that
     did run backward, stay alive (and what they saved with them) until those ran; counted as
