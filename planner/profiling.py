@@ -29,6 +29,7 @@ from planner.capture.record import (
     check_inputs,
     default_loss,
     record_step,
+    seeded,
     split_inputs,
 )
 from planner.devices import DeviceSpec, get_device
@@ -286,13 +287,17 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
         mode=mode, dtype=dtype, torch_version=torch.__version__, grad_bytes=grad_bytes,
         optimizer_state_bytes=opt_state, optimizer_step_bytes=opt_step,
     )
-    region_ms, tensor_ms, sel_ms = checkpoint_costs(dev, sync)
-    sel_model = selective_op_cost(spec, repeats, sync)
+    # The calibrations leave the random streams as they found them, so that the check below
+    # measures the draw the recorded step made (which layers LayerDrop skipped).
+    with seeded(None):
+        region_ms, tensor_ms, sel_ms = checkpoint_costs(dev, sync)
+        sel_model = selective_op_cost(spec, repeats, sync)
     prof = dataclasses.replace(prof, meta=dataclasses.replace(
         prof.meta, checkpoint_region_ms=region_ms, checkpoint_saved_tensor_ms=tensor_ms,
         checkpoint_selective_op_ms=max(sel_ms, sel_model)))
     say("measuring checkpoint's per-region cost on this model")
-    on_model = region_cost_on_model(prof, spec, repeats, sync)
+    with seeded(None):
+        on_model = region_cost_on_model(prof, spec, repeats, sync)
     if on_model is not None and on_model > prof.meta.checkpoint_region_ms:
         prof = dataclasses.replace(
             prof, meta=dataclasses.replace(prof.meta, checkpoint_region_ms=on_model))

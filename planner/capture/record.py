@@ -1101,10 +1101,16 @@ def _skipped_siblings(model: torch.nn.Module, entered: set[str],
     design. Not where the module that calls them routes by value (`routed`, `_routing_modules`):
     MoE experts no token chose, whose memory `planner.plan`'s measured margin covers."""
     found = []
-    for name, m in model.named_modules():
+    modules = dict(model.named_modules())
+    # A router's class routes in every instance, those the step skipped too (a layer LayerDrop
+    # dropped never ran its router, so only its class tells).
+    kinds = {type(modules[n]) for n in routed if n in modules}
+    for name, m in modules.items():
         caller = name.rpartition(".")[0] if isinstance(m, torch.nn.ModuleList | torch.nn.ModuleDict) \
             else name
-        if caller in routed:
+        # a ModuleDict may route in its own forward
+        if caller in routed or name in routed or type(m) in kinds \
+                or type(modules.get(caller)) in kinds:
             continue
         groups: dict[type, list[str]] = {}
         for child, c in m.named_children():
