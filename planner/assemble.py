@@ -68,8 +68,9 @@ def call_blockers(rec: Recording) -> list[str]:
                           f"({attr!r}): a replay would store the recomputed one, which keeps the "
                           "replay's tensors alive")
         if not reason and any(c.start <= made_at.get(s, -1) <= c.end for s in c.holds):
-            reason = ("stores tensors it makes into an object it was given (a KV cache: call the "
-                      "model with use_cache=False for training)")
+            reason = ("stores tensors it makes into an object it was given, where a replay would "
+                      "store its recomputed ones (a KV cache: call the model with use_cache=False "
+                      "for training; or states shared between layers, as Gemma3n's KV sharing)")
         out.append(reason)
     # One wrapper checkpoints every call of a module: a blocked call blocks them all.
     for m, n in per_module.items():

@@ -244,9 +244,10 @@ class ModuleCall:
     start: int
     end: int
     holds: frozenset[int] = frozenset()
-    """Storages the objects among the call's arguments reach when the forward ends (a KV cache
-    object passed to every layer holds what later layers add to it): a checkpoint of this call
-    keeps its arguments, so these live until the region's backward."""
+    """Storages the objects among the call's arguments reach when the forward ends, or when
+    the last call that took one returned if it died before (a KV cache object passed to every
+    layer holds what later layers add to it): a checkpoint of this call keeps its arguments, so
+    these live until the region's backward."""
     args: frozenset[int] = frozenset()
     """Storages of the tensors the call takes that `planner.inplace` passes to the checkpoint as
     inputs (positional and keyword tensors, the tensors of a plain tuple given by keyword)."""
@@ -428,6 +429,11 @@ class _Recorder(TorchDispatchMode):
         self.module_stack: list[str] = []
         self.calls: list[ModuleCall] = []
         self.call_args: list[tuple[list[int], list[int], list[weakref.ref]]] = []
+        self.reach_seen: dict[int, frozenset[int]] = {}
+        """By the `id` of the weak reference to an object among a call's arguments (one per
+        object: `weakref.ref` gives the same one while it lives): the storages it reached as the
+        last call that took it returned, for an object that dies before forward ends (HF
+        Gemma3n's KV-sharing dict, made and dropped by the model's forward)."""
         self.attribute_stores: list[tuple[int, str]] = []
         """(last op of the call, ``module.attribute``) for each forward call that left a tensor
         with an autograd graph in a plain attribute of its module (RecurrentGemma's
@@ -732,13 +738,15 @@ class _Recorder(TorchDispatchMode):
         return inputs, held, objs
 
     def resolve_holds(self) -> None:
-        """Storages each call's arguments reach now (at the end of forward)."""
+        """Storages each call's arguments reach now (at the end of forward), or as the last
+        call that took them returned, for objects that died since (`reach_seen`)."""
         reach: dict[int, frozenset[int]] = {}
         for k, (sids, by_ref, objs) in enumerate(self.call_args):
             held: set[int] = set(by_ref)
             for r in objs:
                 obj = r()
-                if obj is None:
+                if obj is None:  # died before forward ended: what it held as it was last used
+                    held |= self.reach_seen.get(id(r), frozenset())
                     continue
                 key = id(obj)
                 if key not in reach:
@@ -807,6 +815,12 @@ class _Recorder(TorchDispatchMode):
                     if self.phase == "forward" and len(self.ops) > start:
                         self.calls.append(ModuleCall(name, start, len(self.ops) - 1))
                         self.call_args.append(refs)
+                        if self.structure:
+                            for r in refs[2]:
+                                obj = r()
+                                if obj is not None:
+                                    self.reach_seen[id(r)] = frozenset(
+                                        self._reachable_storages(obj))
                         for k, v in vars(mod).items():
                             if isinstance(v, torch.Tensor) and v.grad_fn is not None \
                                     and before.get(k) != id(v):

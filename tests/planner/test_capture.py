@@ -6,6 +6,7 @@ Every TINY model is profiled once in measure mode (``repeats=1``) and shared by 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import gc
@@ -1173,6 +1174,66 @@ def test_a_replayed_node_that_never_runs_backward_keeps_what_it_saved_while_it_l
     finally:
         remove(model)
     assert abs(sim.peak_bytes - measured) <= 64, (sim.peak_bytes, measured)
+
+
+class _KVStore(collections.UserDict):
+    """Not a dict (HF's `KVSharingDict`): no pytree node, so a checkpoint keeps it whole."""
+
+
+class _KVLayer(nn.Module):
+    def __init__(self, slot: str, shared: bool, d: int = 32):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.slot, self.shared = slot, shared
+
+    def forward(self, x, store):
+        q = self.q(x)
+        if self.shared:
+            k, v = store[self.slot]
+        else:
+            k, v = self.k(x) * 0.5, self.v(x) * 0.5  # saved by nothing
+            store[self.slot] = (k, v)
+        att = (q @ k.clone().transpose(1, 2)).softmax(-1) @ v.clone()
+        return x + self.o(att)
+
+
+class _SharedKV(nn.Module):
+    """HF Gemma3n's KV sharing, reduced: the first two layers put their keys and values in a
+    store the model's forward makes and drops, each in its own slot; the last two attend with
+    them. Only the store holds them, so they die as forward returns, unless a checkpointed
+    layer took the store: its frame keeps it, and the slot it never reads, until its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_KVLayer(slot, shared)
+                                    for shared in (False, True) for slot in ("a", "b"))
+
+    def forward(self, x):
+        store = _KVStore()
+        for layer in self.layers:
+            x = layer(x, store)
+        return x
+
+
+def test_a_region_keeps_what_an_argument_dropped_before_forward_ended_held():
+    """What the objects among a region's arguments hold lives until its backward; the store
+    died before forward ended, and what it had held was not counted. A layer that puts what
+    it makes into the store is no region."""
+    torch.manual_seed(0)
+    model, x = _SharedKV().train(), torch.randn(8, 128, 32)
+    prof = profile(model, x, repeats=1)
+    assert {c.module for c in prof.calls if c.blocker}.issuperset({"layers.0", "layers.1"})
+    assert next(c for c in prof.calls if c.module == "layers.2").holds
+    calls = {c.call.module: c for c in candidate_calls(prof) if c.segment is None}
+    regions = bind(prof, (region(prof, calls["layers.2"].a, calls["layers.2"].b),))
+    predicted = simulate(prof, regions).peak_bytes
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        torch.manual_seed(0)
+        measured = measure(model, x, repeats=1).peak_bytes
+    finally:
+        remove(model)
+    assert abs(predicted - measured) <= 64, (predicted, measured)
 
 
 def test_a_router_node_held_by_a_reader_that_ran_backward_is_kept_until_then():
