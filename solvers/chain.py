@@ -80,9 +80,25 @@ def is_matmul(op: str) -> bool:
 
 
 def matmul_mask(profile: Profile) -> tuple[bool, ...]:
-    """Per forward position: the op is matmul-class (`is_matmul`)."""
-    return cached(profile, "matmul_mask", lambda p: tuple(
-        is_matmul(p.nodes[i].op) for i in graph_index(p).forward))
+    """Per forward position: the op is matmul-class (`is_matmul`) and no later forward op writes
+    its output in place. Selective checkpointing keeps such an output from forward for the
+    replay, and refuses one written since ("Tensor cached during selective activation
+    checkpoint has been mutated": HF Longformer's sliding-window scores, filled in place)."""
+    return cached(profile, "matmul_mask", _matmul_mask)
+
+
+def _matmul_mask(profile: Profile) -> tuple[bool, ...]:
+    g = graph_index(profile)
+    written: dict[int, int] = {}  # storage -> the last forward position writing it in place
+    for k, i in enumerate(g.forward):
+        nd = profile.nodes[i]
+        parts = nd.op.split(".")
+        name = parts[1] if len(parts) > 1 else nd.op
+        if (name.endswith("_") or parts[-1] == "out") and nd.storage is not None:
+            written[nd.storage] = k
+    return tuple(is_matmul(profile.nodes[i].op)
+                 and all(written.get(s, -1) <= k for s in g.new[i])
+                 for k, i in enumerate(g.forward))
 
 
 def matmul_positions(profile: Profile, a: int, b: int) -> list[int]:
@@ -93,7 +109,8 @@ def matmul_positions(profile: Profile, a: int, b: int) -> list[int]:
 
 def selective_region(profile: Profile, a: int, b: int) -> Region:
     """The region over forward positions a..b that keeps every matmul-class output from forward
-    (torchtitan's selective op policy): its replay recomputes only the other ops."""
+    (torchtitan's selective op policy) but those written in place later (`matmul_mask`): its
+    replay recomputes only the other ops."""
     names = graph_index(profile).forward_names
     return region(profile, a, b, tuple(names[k] for k in matmul_positions(profile, a, b)))
 

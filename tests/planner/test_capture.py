@@ -23,7 +23,15 @@ from planner.devices import cpu_spec
 from planner.inplace import apply_schedule
 from planner.measurement import measure
 from solvers import Region, Schedule
-from solvers.chain import bind, candidate_calls, region, shared_calls, shared_modules, useful_calls
+from solvers.chain import (
+    bind,
+    candidate_calls,
+    region,
+    selective_region,
+    shared_calls,
+    shared_modules,
+    useful_calls,
+)
 from solvers.errors import CkptPlannerError
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
@@ -1234,6 +1242,48 @@ def test_a_region_keeps_what_an_argument_dropped_before_forward_ended_held():
     finally:
         remove(model)
     assert abs(predicted - measured) <= 64, (predicted, measured)
+
+
+class _ScaledInPlace(nn.Module):
+    """HF Longformer's attention, reduced: the query projection is divided in place, and the
+    band of scores is written into a matmul's output."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        q = self.q(x)
+        q /= 4.0
+        scores = q @ self.k(x).transpose(1, 2)
+        scores[:, :, :2] = 0.0
+        return x + self.o(scores.softmax(-1) @ x)
+
+
+def test_a_matmul_output_written_in_place_is_not_kept_by_a_selective_region():
+    """Selective checkpointing refuses a kept output written since ("Tensor cached during
+    selective activation checkpoint has been mutated"): such outputs are recomputed."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_ScaledInPlace(), _ScaledInPlace()).train(), torch.randn(4, 64, 32)
+    prof = profile(model, x, repeats=1)
+    calls = {c.call.module: c for c in candidate_calls(prof) if c.segment is None}
+    regions = bind(prof, tuple(selective_region(prof, calls[m].a, calls[m].b) for m in "01"))
+    op = {n.name: n.op for n in prof.nodes}
+    for r in regions:  # of q, k, scores, attention, o: q and the scores are written in place
+        assert [op[n] for n in r.saved] == ["aten.addmm.default", "aten.bmm.default",
+                                            "aten.addmm.default"]
+    model.zero_grad()
+    torch.manual_seed(0)
+    model(x).float().mean().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        model.zero_grad()
+        torch.manual_seed(0)
+        model(x).float().mean().backward()
+        assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want, strict=True))
+    finally:
+        remove(model)
 
 
 def test_a_router_node_held_by_a_reader_that_ran_backward_is_kept_until_then():
