@@ -29,9 +29,10 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
 - Replayed tensors the region's autograd nodes need live until those nodes have run; the others
   die after their last replayed reader, or where the module's code drops them, or when the early
   stop unwinds the replay; what a replayed node that never runs backward saved lives as long as
-  that node, as in forward (the replay's pack hook hands it back to the node). A cached (saved) output is consumed by the replay and dies after its
-  last replayed reader unless a backward op needs it; one after the early stop is never consumed
-  and lives in the frame's cache until the region's backward is done.
+  that node, as in forward (the replay's pack hook hands it back to the node). A cached (saved)
+  output is consumed by the replay and dies after its last replayed reader unless a backward op
+  needs it; one after the early stop is never consumed and lives in the frame's cache until the
+  region's backward is done.
 - A region with random ops stashes the CPU RNG state (`preserve_rng_state`) from its forward to
   its backward, and `fork_rng` keeps another copy for the whole of its replay. A region nested in
   a replayed one runs its checkpoint again inside the replay: the new frame (its own RNG state,
