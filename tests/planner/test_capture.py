@@ -1141,15 +1141,24 @@ def test_what_a_node_that_never_runs_backward_saved_dies_with_its_float_outputs(
     assert abs(predicted - measured) <= 64, (predicted, measured)
 
 
-class _SampledMax(nn.Module):
+def _region_peaks(prof, model, x, modules):
+    """Simulated step (`Simulation`) and measured peak of `model` on `x` with each of
+    `modules`' calls a region."""
+    calls = {c.call.module: c for c in candidate_calls(prof) if c.segment is None}
+    regions = bind(prof, tuple(region(prof, calls[m].a, calls[m].b) for m in modules))
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        torch.manual_seed(0)
+        measured = measure(model, x, repeats=1).peak_bytes
+    finally:
+        remove(model)
+    return simulate(prof, regions), measured
+
+
+class _SampledMax(_ProbSparse):
     """A top-query pick from the column maxima of the scores (`max` saves its int64 indices);
     its output does not reach the loss, so `max`'s autograd node never runs backward and holds
     the indices while `m`, a local, lives: until the call returns, in forward and in a replay."""
-
-    def __init__(self, d: int = 32, top: int = 8):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.top = top
 
     def forward(self, x):
         q, k, v = self.q(x), self.k(x), self.v(x)
@@ -1171,16 +1180,8 @@ def test_a_replayed_node_that_never_runs_backward_keeps_what_it_saved_while_it_l
     model = nn.Sequential(_SampledMax(), _SampledMax()).train()
     x = torch.randn(8, 256, 32)
     prof = profile(model, x, repeats=1)
-    calls = {c.call.module: c for c in candidate_calls(prof) if c.segment is None}
-    regions = bind(prof, tuple(region(prof, calls[m].a, calls[m].b) for m in ("0", "1")))
-    sim = simulate(prof, regions)
+    sim, measured = _region_peaks(prof, model, x, ("0", "1"))
     assert sim.peak_at.startswith("replay:")  # the peak is where the rule matters
-    apply_schedule(model, Schedule(regions=regions))
-    try:
-        torch.manual_seed(0)
-        measured = measure(model, x, repeats=1).peak_bytes
-    finally:
-        remove(model)
     assert abs(sim.peak_bytes - measured) <= 64, (sim.peak_bytes, measured)
 
 
@@ -1232,16 +1233,8 @@ def test_a_region_keeps_what_an_argument_dropped_before_forward_ended_held():
     prof = profile(model, x, repeats=1)
     assert {c.module for c in prof.calls if c.blocker}.issuperset({"layers.0", "layers.1"})
     assert next(c for c in prof.calls if c.module == "layers.2").holds
-    calls = {c.call.module: c for c in candidate_calls(prof) if c.segment is None}
-    regions = bind(prof, (region(prof, calls["layers.2"].a, calls["layers.2"].b),))
-    predicted = simulate(prof, regions).peak_bytes
-    apply_schedule(model, Schedule(regions=regions))
-    try:
-        torch.manual_seed(0)
-        measured = measure(model, x, repeats=1).peak_bytes
-    finally:
-        remove(model)
-    assert abs(predicted - measured) <= 64, (predicted, measured)
+    sim, measured = _region_peaks(prof, model, x, ("layers.2",))
+    assert abs(sim.peak_bytes - measured) <= 64, (sim.peak_bytes, measured)
 
 
 class _ScaledInPlace(nn.Module):
