@@ -87,15 +87,21 @@ def matmul_mask(profile: Profile) -> tuple[bool, ...]:
     return cached(profile, "matmul_mask", _matmul_mask)
 
 
+def _writes_in_place(nd) -> bool:
+    """The node writes its output storage (`Node.storage`) in place: an in-place op (name
+    ending in ``_``) or an ``out=`` overload, buffer updates (BatchNorm's) left out."""
+    parts = nd.op.split(".")
+    name = parts[1] if len(parts) > 1 else nd.op
+    return (name.endswith("_") or parts[-1] == "out") and not nd.mutates_buffer \
+        and nd.storage is not None
+
+
 def _matmul_mask(profile: Profile) -> tuple[bool, ...]:
     g = graph_index(profile)
     written: dict[int, int] = {}  # storage -> the last forward position writing it in place
     for k, i in enumerate(g.forward):
-        nd = profile.nodes[i]
-        parts = nd.op.split(".")
-        name = parts[1] if len(parts) > 1 else nd.op
-        if (name.endswith("_") or parts[-1] == "out") and nd.storage is not None:
-            written[nd.storage] = k
+        if _writes_in_place(profile.nodes[i]):
+            written[profile.nodes[i].storage] = k
     return tuple(is_matmul(profile.nodes[i].op)
                  and all(written.get(s, -1) <= k for s in g.new[i])
                  for k, i in enumerate(g.forward))
@@ -314,8 +320,9 @@ def _live_bytes_across(profile: Profile) -> tuple[int, ...]:
 
 
 def valid_cuts(profile: Profile) -> tuple[bool, ...]:
-    """valid[k]: a region boundary after forward position k does not split an in-place op from the
-    producer of the storage it mutates (buffer updates such as BatchNorm's are ignored)."""
+    """valid[k]: a region boundary after forward position k does not split an op that writes in
+    place (`_writes_in_place`: buffer updates such as BatchNorm's are ignored) from the producer
+    of the storage it writes."""
     return cached(profile, "valid_cuts", _valid_cuts)
 
 
@@ -326,11 +333,10 @@ def _valid_cuts(profile: Profile) -> tuple[bool, ...]:
     diff = np.zeros(n + 1, dtype=np.int64)
     for k, i in enumerate(g.forward):
         nd = profile.nodes[i]
-        opname = nd.op.split(".")[1] if nd.op.count(".") >= 1 else nd.op
-        if not opname.endswith("_") or nd.mutates_buffer:
+        if not _writes_in_place(nd):
             continue
         s = nd.storage
-        if s is None or s in g.fixed_storages or s not in prod:
+        if s in g.fixed_storages or s not in prod:
             continue
         if prod[s] < k:  # cuts prod[s] .. k-1 separate the producer from the mutation
             diff[prod[s]] += 1
