@@ -243,7 +243,8 @@ def test_layerdrop_over_experts_that_route_in_their_own_forward():
 def test_the_profile_check_measures_the_draw_that_was_recorded():
     """`profile` measures one plain step beside its prediction and warns where they differ; the
     calibrations between them drew from the RNG, so the check measured another draw (other
-    layers dropped) and warned of a missed +27% on HF NLLB-MoE. They leave the RNG as found."""
+    layers dropped) and warned of a miss that was not there (HF NLLB-MoE). They leave the RNG
+    as found."""
     torch.manual_seed(0)
     model, x = _LayerDropMoE(layers=4, p=0.5).train(), torch.randn(64, 32)
     for seed in range(100):  # a draw that runs every layer: no seeded search, the check runs
