@@ -23,7 +23,13 @@ from torch.utils import _pytree as pytree
 
 from planner.assemble import to_profile
 from planner.calibrate import checkpoint_costs, region_cost_on_model, selective_op_cost
-from planner.capture.estimate import Faker, gpu_kernels, roofline_times
+from planner.capture.estimate import (
+    Faker,
+    Shadows,
+    gpu_kernels,
+    roofline_times,
+    transformers_values,
+)
 from planner.capture.record import (
     StepSpec,
     check_inputs,
@@ -244,12 +250,13 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
     if mode == "estimate":
         spec_dev = device if isinstance(device, DeviceSpec) else get_device(device or "h100")
         fake_mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
-        fake = Faker(fake_mode)
+        shadows = Shadows(fake_mode)
+        fake = Faker(fake_mode, shadows)
         params = {k: fake(v) for k, v in model.named_parameters()}
-        buffers = {k: fake(v) for k, v in model.named_buffers()}
+        buffers = {k: fake(v, shadow=True) for k, v in model.named_buffers()}
         args, kwargs = split_inputs(example_inputs)
         args, kwargs = pytree.tree_map(
-            lambda x: fake(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            lambda x: fake(x, shadow=True) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         state = {**params, **buffers}
         spec = StepSpec(
             model=model, args=args, kwargs=kwargs, loss_fn=loss_fn or default_loss,
@@ -260,7 +267,7 @@ def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats
         )
         say(f"recording one step on fake tensors ({spec_dev.name} estimate)")
         kernels = gpu_kernels() if spec_dev.kind != "cpu" else contextlib.nullcontext()
-        with fake_mode, kernels:
+        with fake_mode, shadows, transformers_values(shadows), kernels:
             rec = record_step(spec, fake=True, stages=trace_forwards)
         roofline_times(rec.ops, spec_dev, dtype)  # each op at its own dtype, else the model's
         say(f"recorded {len(rec.ops)} ops")

@@ -13,39 +13,61 @@ they keep for backward, and are routed here to what the GPU runs:
   (seq x seq) probabilities. Not where the mask is trained (a relative position bias, as Swin
   adds): the CPU's flash kernel takes no gradient for it, so that call keeps the math path (a
   GPU's memory-efficient kernel also returns a mask gradient of the same (seq x seq) size).
+
+Fake tensors have no values, but the integer inputs of a step (token ids, attention masks,
+position ids) and the small tensors computed from them alone (``arange`` positions, a mask turned
+to bool) have the values a real step would have. `Shadows` keeps a real copy of those, so that
+code reading them (transformers asks whether a mask has padding, or whether position ids hold
+packed sequences, to decide whether to build a (seq x seq) mask at all) takes the branch the
+real step takes, not the conservative one it takes on a tensor it cannot read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from planner.devices import DeviceSpec, roofline_ms
 
-__all__ = ["Faker", "gpu_kernels", "roofline_times"]
+__all__ = ["Faker", "Shadows", "gpu_kernels", "roofline_times", "transformers_values"]
 
 aten = torch.ops.aten
 
 
 class Faker:
-    """Real or meta tensors -> fake tensors of the same shape, dtype and requires_grad."""
+    """Real or meta tensors -> fake tensors of the same shape, dtype and requires_grad; with
+    `shadows`, a real tensor given with ``shadow=True`` (the example inputs and the buffers, not
+    the parameters) is its fake's shadow (its values)."""
 
-    def __init__(self, mode: FakeTensorMode):
+    def __init__(self, mode: FakeTensorMode, shadows: Shadows | None = None):
         self.mode = mode
+        self.shadows = shadows
         self._done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, shadow: bool = False) -> torch.Tensor:
         """The fake of `t`; the same tensor given twice (labels = input_ids) gets one fake."""
         hit = self._done.get(id(t))
         if hit is not None and hit[0] is t:
-            return hit[1]
-        f = self._fake(t)
-        self._done[id(t)] = (t, f)
+            f = hit[1]
+        else:
+            f = self._fake(t)
+            self._done[id(t)] = (t, f)
+        if shadow and self.shadows is not None and t.device.type != "meta":
+            self.shadows.add(f, t.detach())
         return f
 
     def _fake(self, t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +79,140 @@ class Faker:
         if t.requires_grad and (t.is_floating_point() or t.is_complex()):
             f = f.detach().requires_grad_(True)
         return f
+
+
+class Shadows(TorchDispatchMode):
+    """Real values beside the fakes of a step, for the tensors whose values the step can know.
+
+    A fake gets a shadow when it is made from a real tensor (`Faker`: the example inputs and the
+    model's buffers) or when an op computes it from shadowed tensors alone (or from none: a
+    deterministic factory such as ``arange``); parameters, and everything they touch, have
+    none. The op is run again on the shadows, outside fake mode, so the shadow holds what a real
+    step would hold. Reading a shadowed fake's value (``.item()``, ``bool()``, ``nonzero``)
+    returns the shadow's; reading any other fake's value still fails as fake tensors do.
+    Shadows are kept only for outputs of at most `limit` elements (masks and ids, not
+    activations), and a shadowed tensor written by an op from unknown values loses its shadow.
+
+    Enter it inside the fake mode (so that it sees each op before the fake kernels do), and
+    `transformers_values()` while it is active.
+    """
+
+    limit = 1 << 22
+
+    def __init__(self, fake_mode: FakeTensorMode):
+        super().__init__()
+        self.fake_mode = fake_mode
+        # id(fake) -> (weak reference to the fake, real). Weak: a second strong reference to an
+        # op's output makes autograd hand the model a detached copy (an extra `detach` op).
+        self._real: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._on_storage: dict[int, set[int]] = {}  # storage key -> ids of shadowed fakes on it
+        self._writes: dict[Any, list[tuple[int, str]]] = {}
+
+    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        if real.numel() > self.limit:
+            return
+        key, where = id(fake), _storage_key(fake)
+
+        def forget(ref: weakref.ref, key: int = key, where: int = where) -> None:
+            if self._real.get(key, (None,))[0] is ref:
+                del self._real[key]
+                self._on_storage.get(where, set()).discard(key)
+
+        self._real[key] = (weakref.ref(fake, forget), real)
+        self._on_storage.setdefault(where, set()).add(key)
+
+    def real_of(self, t: Any) -> torch.Tensor | None:
+        """The shadow of fake `t`, None if it has none."""
+        hit = self._real.get(id(t))
+        if hit is None or hit[0]() is not t:
+            return None
+        return hit[1]
+
+    def _forget_storage(self, t: torch.Tensor) -> None:
+        """`t` was written from values no shadow has: every view of its storage loses its shadow."""
+        for key in self._on_storage.pop(_storage_key(t), ()):
+            self._real.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, tree = pytree.tree_flatten((args, kwargs))
+        reals = [self.real_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        known = all(r is not None for r, x in zip(reals, flat, strict=True)
+                    if isinstance(x, torch.Tensor)) and _deterministic(func)
+        if known and func is torch.ops.aten._local_scalar_dense.default:
+            return self._run_real(func, reals, tree)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            if not known:
+                raise
+            real_out = self._run_real(func, reals, tree)
+            out = pytree.tree_map_only(torch.Tensor, self.fake_mode.from_tensor, real_out)
+            self._pair(out, real_out)
+            return out
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        if known and outs and all(o.numel() <= self.limit for o in outs):
+            self._pair(out, self._run_real(func, reals, tree))
+        elif not known:
+            for i, name in self._written(func):
+                target = args[i] if i < len(args) else kwargs.get(name)
+                if isinstance(target, torch.Tensor):
+                    self._forget_storage(target)
+        return out
+
+    def _run_real(self, func, reals: list[Any], tree) -> Any:
+        r_args, r_kwargs = pytree.tree_unflatten(reals, tree)
+        with unset_fake_temporarily():
+            return func(*r_args, **r_kwargs)
+
+    def _pair(self, out: Any, real_out: Any) -> None:
+        for f, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out), strict=False):
+            if isinstance(f, torch.Tensor) and isinstance(r, torch.Tensor):
+                self.add(f, r)
+
+    def _written(self, func) -> list[tuple[int, str]]:
+        """Position and name of each argument `func` writes (in place, or ``out=``)."""
+        hit = self._writes.get(func)
+        if hit is None:
+            hit = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+            self._writes[func] = hit
+        return hit
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def _deterministic(func) -> bool:
+    """Whether `func`'s output is a function of its arguments: not a random draw, not the
+    unwritten memory of an ``empty``."""
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    return not func.__name__.split(".")[0].lstrip("_").startswith(("empty", "new_empty"))
+
+
+@contextlib.contextmanager
+def transformers_values(shadows: Shadows) -> Iterator[None]:
+    """Let transformers read the shadowed fakes: its `is_tracing` counts every fake tensor as
+    traced (no values) and then builds the full (seq x seq) mask that a real step skips."""
+    mod = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(mod, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+
+    def is_fake_tensor(x) -> bool:
+        return original(x) and shadows.real_of(x) is None
+
+    mod.is_fake_tensor = is_fake_tensor
+    try:
+        yield
+    finally:
+        mod.is_fake_tensor = original
 
 
 @contextlib.contextmanager

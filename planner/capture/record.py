@@ -579,6 +579,10 @@ class _Recorder(TorchDispatchMode):
                 continue
             st = t.untyped_storage()
             s = in_cdata.get(st._cdata)
+            if s is None and func is torch.ops.aten.lift_fresh.default and in_sids:
+                # A constant made in the model's code (``torch.tensor(x)``) enters the step:
+                # a real step returns the constant itself, fake tensors a fake copy of it.
+                s = in_sids[0]
             if s is None:
                 s = self._new_storage(st)
                 new.append(s)

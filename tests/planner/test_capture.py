@@ -825,8 +825,7 @@ def test_frozen_model_is_refused():
 # -- estimate mode ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["mlp_dropout", "resnet_bn", "gpt_eager"])
 def test_estimate_mode_matches_measure_mode_memory(name):
-    """On fake tensors the same ops run and allocate the same storages. (HF models take their
-    tracing-safe mask path on fake tensors, so their estimates differ slightly.)"""
+    """On fake tensors the same ops run and allocate the same storages."""
     model, x, measured = _profiled(name)
     est = profile(model, x, mode="estimate", device=cpu_spec(measure=False))
     assert est.storage_bytes == measured.storage_bytes
@@ -836,6 +835,51 @@ def test_estimate_mode_matches_measure_mode_memory(name):
     assert est.meta.mode == "estimate" and est.meta.step_ms_measured is None
     compute = [n for n in est.nodes if n.phase == "forward" and n.op.startswith(MATMUL_OPS)]
     assert compute and all(n.time_ms > 0 for n in compute)
+
+
+@pytest.mark.parametrize("name", ["gpt2_sdpa", "llama", "llama_padded", "qwen2", "bert", "t5",
+                                  "deberta_v2", "whisper", "peft_lora_llama"])
+def test_estimate_mode_reads_the_values_of_masks_and_ids_as_a_real_step_does(name):
+    """Transformers reads token ids, masks and position ids on the host (packed sequences? any
+    padding?) and skips the (seq x seq) mask when it may; on a tensor it cannot read it builds
+    the mask. Estimate mode knows those values (they come from the example inputs, not from the
+    weights), so it records the step a real one runs: the same ops, storages and saves."""
+    from tests.zoo import CASES
+
+    case = CASES[name]()
+    measured = profile(case.model, case.inputs, loss_fn=case.loss_fn, repeats=1)
+    est = profile(case.model, case.inputs, loss_fn=case.loss_fn, mode="estimate",
+                  device=cpu_spec(measure=False))
+    assert [n.op for n in est.nodes] == [n.op for n in measured.nodes]
+    assert est.storage_bytes == measured.storage_bytes
+    assert est.saved_bytes == measured.saved_bytes
+    assert simulate(est).peak_bytes == simulate(measured).peak_bytes
+
+
+def test_estimate_mode_still_refuses_a_branch_on_activation_values():
+    """What a step computes from the weights has no values in estimate mode: a branch on it is
+    refused with the module named, as before, even though the inputs' values are known."""
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, ids):
+            h = self.lin(F.one_hot(ids, 8).float())
+            return h if h.sum() > 0 else -h
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = Gate()
+
+        def forward(self, ids):
+            n = int((ids > 3).sum())  # a value of the inputs: known
+            return self.gate(ids[:, : max(n, 1)])
+
+    with pytest.raises(ModelRunError, match=r"in module 'gate'.*needs tensor values"):
+        profile(Net(), torch.randint(0, 8, (4, 6)), mode="estimate")
 
 
 def test_estimate_for_gpu_keeps_dropout_masks_as_bool():
