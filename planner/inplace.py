@@ -44,7 +44,7 @@ from torch.utils.checkpoint import (
 from planner.capture.record import op_name
 from planner.stages import Pattern, nest, trace
 from solvers.errors import CkptPlannerError, ScheduleError
-from solvers.schedule import Region, Schedule
+from solvers.schedule import Region, Schedule, policy_op
 
 __all__ = ["AppliedPlan", "CheckpointedForward", "PlanOutdatedWarning", "SegmentedForward",
            "StagedForward", "applied", "apply_schedule", "applying", "remove"]
@@ -81,7 +81,7 @@ class AppliedPlan:
         return state
 
 
-SAC_CACHE_VERSION = "ckpt-planner-sac-1"
+SAC_CACHE_VERSION = "ckpt-planner-sac-2"
 """Part of the `cache_hash` of compiled selective regions: AOTAutograd's cache keys a compiled
 region by it (a cache hit never calls the policy), so it changes whenever the policy's meaning
 does."""
@@ -102,7 +102,7 @@ def _parse_save_ops(save_ops: str) -> dict[str, frozenset[int]]:
     keys: dict[str, set[int]] = {}
     for key in save_ops.split(",") if save_ops else ():
         op, _, k = key.rpartition("#")
-        keys.setdefault(op, set()).add(int(k))
+        keys.setdefault(policy_op(op), set()).add(int(k))
     return {op: frozenset(ks) for op, ks in keys.items()}
 
 
@@ -116,7 +116,7 @@ def _selective_contexts(save_ops: str):
     counts: dict[str, int] = {}
 
     def policy(ctx, func, *args, **kwargs):
-        name = op_name(func)
+        name = policy_op(op_name(func))
         k = counts.get(name, 0)
         counts[name] = k + 1
         return CheckpointPolicy.MUST_SAVE if k in keys.get(name, ()) \

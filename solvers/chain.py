@@ -27,7 +27,7 @@ import numpy as np
 from solvers.errors import ScheduleError
 from solvers.graph import graph_index
 from solvers.profile import COLLECTIVE_PREFIX, ModuleCall, Profile, cached
-from solvers.schedule import Region, Schedule
+from solvers.schedule import Region, Schedule, policy_op
 
 __all__ = [
     "MATMUL_OPS",
@@ -623,9 +623,10 @@ def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
             random = random or nd.random
             if nd.op == "getitem":
                 continue
-            k = counts.get(nd.op, 0)
-            counts[nd.op] = k + 1
-            keys[nd.name] = f"{nd.op}#{k}"
+            op = policy_op(nd.op)
+            k = counts.get(op, 0)
+            counts[op] = k + 1
+            keys[nd.name] = f"{op}#{k}"
         try:
             save_ops = tuple(keys[name] for name in r.saved)
         except KeyError as e:

@@ -12,7 +12,25 @@ from typing import Any
 from solvers.errors import ScheduleError
 from solvers.profile import Profile
 
-__all__ = ["Method", "Region", "Schedule", "STATUSES", "SCHEDULE_SCHEMA", "SCHEDULE_VERSION"]
+__all__ = ["Method", "Region", "Schedule", "STATUSES", "SCHEDULE_SCHEMA", "SCHEDULE_VERSION",
+           "policy_op"]
+
+FUSED_ATTENTION = "aten._scaled_dot_product_fused_attention"
+"""The name `policy_op` gives every fused SDPA kernel."""
+_FUSED_ATTENTION_OPS = frozenset(
+    f"aten._scaled_dot_product_{k}.default" for k in (
+        "flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention",
+        "fused_attention_overrideable"))
+
+
+def policy_op(op: str) -> str:
+    """The name a selective policy counts op `op` by (`Region.save_ops`): its own, except that the
+    fused attention kernels are one. Which of them SDPA runs depends on the device, dtype and
+    inputs (flash for CPU here, cuDNN or flash on a GPU, memory-efficient with a mask), not on
+    the model, so a plan made from a CPU or estimate-mode profile saves the attention output on
+    the GPU it is applied on. All of them keep the output and the log-sum-exp for backward."""
+    return FUSED_ATTENTION if op in _FUSED_ATTENTION_OPS else op
+
 
 SCHEDULE_SCHEMA = "ckpt-planner/schedule"
 SCHEDULE_VERSION = 1
@@ -43,7 +61,8 @@ class Region:
     node-range region."""
     save_ops: tuple[str, ...] = ()
     """`saved` as the selective policy sees them: ``<aten overload>#<k>``, the k-th op of that
-    overload in one call of the module (independent of input shapes)."""
+    overload in one call of the module (independent of input shapes); the fused attention
+    kernels count as one overload (`policy_op`)."""
     preserve_rng: bool = False
     """The region draws random numbers (dropout): its replay restores the RNG state."""
     buffers: tuple[str, ...] = ()

@@ -64,7 +64,7 @@ from planner.inplace import applying  # noqa: E402
 from solvers.chain import candidate_calls  # noqa: E402
 from solvers.graph import graph_index  # noqa: E402
 from solvers.profile import Profile  # noqa: E402
-from solvers.schedule import Schedule  # noqa: E402
+from solvers.schedule import Schedule, policy_op  # noqa: E402
 from solvers.solve import applicable, finish, solve  # noqa: E402
 
 GiB = 2**30
@@ -703,9 +703,10 @@ def carry_over(s: Schedule, src: Profile, dst: Profile) -> Schedule:
             nd = dst.nodes[graph_index(dst).name_to_i[fwd[i]]]
             if nd.op == "getitem":
                 continue
-            k = counts.get(nd.op, 0)
-            counts[nd.op] = k + 1
-            names[f"{nd.op}#{k}"] = nd.name
+            op = policy_op(nd.op)
+            k = counts.get(op, 0)
+            counts[op] = k + 1
+            names[f"{op}#{k}"] = nd.name
         missing = [k for k in r.save_ops if k not in names]
         if missing:
             raise ValueError(f"{r.module}: saved ops {missing[:3]} not in the other profile")

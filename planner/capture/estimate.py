@@ -140,30 +140,42 @@ class Shadows(TorchDispatchMode):
         known = all(r is not None for r, x in zip(reals, flat, strict=True)
                     if isinstance(x, torch.Tensor)) and _deterministic(func)
         if known and func is torch.ops.aten._local_scalar_dense.default:
-            return self._run_real(func, reals, tree)
+            ok, value = self._run_real(func, reals, tree)
+            if ok:
+                return value
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
-            if not known:
+            ok, real_out = self._run_real(func, reals, tree) if known else (False, None)
+            if not ok:
                 raise
-            real_out = self._run_real(func, reals, tree)
             out = pytree.tree_map_only(torch.Tensor, self.fake_mode.from_tensor, real_out)
             self._pair(out, real_out)
             return out
+        written = self._written(func)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        if known and outs and all(o.numel() <= self.limit for o in outs):
-            self._pair(out, self._run_real(func, reals, tree))
-        elif not known:
-            for i, name in self._written(func):
+        small = bool(outs) and all(o.numel() <= self.limit for o in outs)
+        ok = False
+        if known and (small or written):  # an in-place write keeps its target's shadow true
+            ok, real_out = self._run_real(func, reals, tree)
+            if ok:
+                self._pair(out, real_out)
+        if not ok:
+            for i, name in written:
                 target = args[i] if i < len(args) else kwargs.get(name)
                 if isinstance(target, torch.Tensor):
                     self._forget_storage(target)
         return out
 
-    def _run_real(self, func, reals: list[Any], tree) -> Any:
+    def _run_real(self, func, reals: list[Any], tree) -> tuple[bool, Any]:
+        """`func` on the shadows, outside fake mode: (True, its result), or (False, None) where
+        it cannot run there (e.g. shadows on two devices); the outputs then have no shadow."""
         r_args, r_kwargs = pytree.tree_unflatten(reals, tree)
-        with unset_fake_temporarily():
-            return func(*r_args, **r_kwargs)
+        try:
+            with unset_fake_temporarily():
+                return True, func(*r_args, **r_kwargs)
+        except Exception:  # noqa: BLE001 - without a shadow the fake is what it was: no values
+            return False, None
 
     def _pair(self, out: Any, real_out: Any) -> None:
         for f, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real_out), strict=False):

@@ -882,6 +882,25 @@ def test_estimate_mode_still_refuses_a_branch_on_activation_values():
         profile(Net(), torch.randint(0, 8, (4, 6)), mode="estimate")
 
 
+def test_estimate_mode_forgets_the_values_of_a_mask_written_from_activations():
+    """A mask known from the inputs, then written in place from an activation, has no known
+    values any more: reading it is refused, not answered from the stale copy."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, ids):
+            h = self.lin(F.one_hot(ids, 8).float())[..., 0]
+            keep = ids >= 0  # all True, known
+            keep[:, 0] = h[:, 0] > 0
+            return h.sum() if bool(keep.all()) else h.mean()
+
+    with pytest.raises(ModelRunError, match=r"needs tensor values"):
+        profile(Net(), torch.randint(0, 8, (4, 6)), mode="estimate")
+
+
 def test_estimate_for_gpu_keeps_dropout_masks_as_bool():
     """On CUDA/ROCm dropout runs ``native_dropout``, which keeps a 1-byte mask; the CPU's
     ``bernoulli_`` mask has the input's dtype."""

@@ -614,3 +614,55 @@ def test_a_module_called_in_a_loop_is_checkpointed_at_every_call():
     finally:
         planner.remove(model)
     assert "forward" not in model.block.__dict__
+
+
+class _SdpaBlock(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class _CountOp(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.calls = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("saved_as, replays", [
+    ("aten._scaled_dot_product_cudnn_attention.default#0", 0),
+    ("aten._scaled_dot_product_flash_attention_for_cpu.default#0", 0),
+    ("aten._scaled_dot_product_fused_attention#0", 0),
+    (None, 1),
+])
+def test_a_saved_attention_output_is_kept_whichever_fused_kernel_runs(saved_as, replays):
+    """A plan made where SDPA ran one fused kernel (cuDNN on a GPU, flash here, or an
+    estimate-mode profile) keeps the attention output wherever it is applied: the selective
+    policy counts the fused kernels as one op (`policy_op`). Without the save, the region's
+    replay runs the kernel again in backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_SdpaBlock(), _SdpaBlock())
+    x = torch.randn(2, 16, 32)
+    save_ops = (saved_as,) if saved_as else ("aten.mm.default#0",)
+    sched = Schedule(regions=(Region(start="a", end="b", module="0", save_ops=save_ops),))
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    apply_schedule(model, sched)
+    try:
+        loss = model(x).square().mean()
+        count = _CountOp(kernel)
+        with count:
+            loss.backward()
+    finally:
+        planner.remove(model)
+    assert count.calls == replays

@@ -212,3 +212,21 @@ def test_solver_modules_import_each_other_without_cycles():
     for method in ("solvers.baselines", "solvers.dp", "solvers.ilp"):
         assert "solvers.solve" not in graph[method], method
     assert order.index("solvers.chain") < order.index("solvers.simulate")
+
+
+def test_a_gpu_profiles_attention_kernel_is_saved_under_the_fused_attention_name():
+    """The H200 run's profile (cuDNN attention) and a CPU or estimate-mode profile (flash for
+    CPU) name the attention kernel differently; a selective region names both alike, so a plan
+    saves the attention output whichever kernel runs where it is applied."""
+    from solvers import Profile, solve
+    from solvers.schedule import FUSED_ATTENTION, policy_op
+
+    root = Path(__file__).resolve().parents[2]
+    prof = Profile.load(root / "benchmarks/gpu/results/h200-2026-12-04/gpt2m.profile.json.gz")
+    assert any(n.op == "aten._scaled_dot_product_cudnn_attention.default" for n in prof.nodes)
+    sched = solve(prof, 2**62, "selective_matmul")
+    keys = {k for r in sched.regions for k in r.save_ops}
+    assert f"{FUSED_ATTENTION}#0" in keys
+    assert not any("cudnn" in k for k in keys)
+    assert policy_op("aten._scaled_dot_product_flash_attention_for_cpu.default") == FUSED_ATTENTION
+    assert policy_op("aten.mm.default") == "aten.mm.default"
