@@ -441,6 +441,9 @@ class _Recorder(TorchDispatchMode):
         self.raised_in: dict[int, str] = {}
         self.seq_owner: dict[int, int] = {}  # autograd node sequence number -> forward op index
         self.last_seq = torch.autograd._get_sequence_nr()
+        # Sequence numbers skipped by the last forward op (made before it dispatched) and who
+        # may claim them: see `_own_nodes`.
+        self.skipped: list[int] = []
         self.packs: list[tuple[int, int]] = []  # (sequence number, storage id)
         self.release_at: dict[int, int] = {}
         self.counts: dict[str, int] = {}
@@ -636,9 +639,7 @@ class _Recorder(TorchDispatchMode):
                     and _sole_holder(old)):
                 rec.fills = self.sid(old)
         if self.phase in ("forward", "loss") and any(o is not None for o in out_sids):
-            if seq != self.last_seq:  # this op created autograd node seq - 1
-                self.seq_owner.setdefault(seq - 1, idx)
-                self.last_seq = seq
+            self._own_nodes(seq, idx, bool(writes))
         elif node is not None:
             owner = self.seq_owner.get(node._sequence_nr())
             rec.grad_of = owner
@@ -657,6 +658,21 @@ class _Recorder(TorchDispatchMode):
         else:
             for s in new:
                 self.owner[s] = idx
+
+    def _own_nodes(self, seq: int, idx: int, in_place: bool) -> None:
+        """Which forward op made which autograd node. An op that made nodes since the last one
+        owns node seq - 1. An in-place op whose backward needs the value it overwrites
+        (``w /= w.sum()``) makes its node first, then autograd clones the original (a `clone`
+        with a node of its own) and only then does the op itself dispatch, with no new number:
+        the number skipped before the clone's is the in-place op's, which comes next."""
+        skipped, self.skipped = self.skipped, []
+        if seq != self.last_seq:
+            self.seq_owner.setdefault(seq - 1, idx)
+            self.skipped = [s for s in range(self.last_seq, seq - 1) if s not in self.seq_owner]
+            self.last_seq = seq
+        elif in_place:
+            for s in skipped:
+                self.seq_owner.setdefault(s, idx)
 
     # -- saved tensors ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
