@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -1265,11 +1266,16 @@ def _run_error(spec: StepSpec, rec: _Recorder, e: Exception,
 
     where = _where(rec, e)
     if isinstance(e, DataDependentOutputException | DynamicOutputShapeException):
+        frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(e.__traceback__)]
+        validating = any("/torch/distributions/" in f for f in frames)
         return ModelRunError(
             f"estimate mode cannot run {type(spec.model).__name__}: in module {where!r}, the "
             f"model's code needs tensor values ({type(e).__name__}: {e}), which fake tensors do "
             "not have. Profile it in measure mode (on a machine that can run one step of it, "
             "possibly at a smaller batch), or make that branch depend on shapes only."
+            + (" Here it is torch.distributions checking the values of a distribution's "
+               "parameters: torch.distributions.Distribution.set_default_validate_args(False) "
+               "before profiling skips that check." if validating else "")
         )
     if "use_reentrant=True" in str(e):
         return ModelRunError(

@@ -882,6 +882,31 @@ def test_estimate_mode_still_refuses_a_branch_on_activation_values():
         profile(Net(), torch.randint(0, 8, (4, 6)), mode="estimate")
 
 
+class _GaussianHead(nn.Module):
+    """A forecasting head as HF's time-series models have: a Normal over the targets."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc, self.scale = nn.Linear(8, 1), nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        dist = torch.distributions.Normal(self.loc(x), F.softplus(self.scale(x)) + 1e-3)
+        return -dist.log_prob(y).mean()
+
+
+def test_estimate_mode_names_distribution_validation_as_the_value_read_and_its_switch():
+    model, x, y = _GaussianHead(), torch.randn(16, 8), torch.randn(16, 1)
+    with pytest.raises(ModelRunError, match=r"set_default_validate_args\(False\)"):
+        profile(model, (x, y), loss_fn=lambda out: out, mode="estimate")
+    validate = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        est = profile(model, (x, y), loss_fn=lambda out: out, mode="estimate")
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(validate)
+    assert any(n.op == "aten.log.default" for n in est.nodes)
+
+
 def test_estimate_mode_forgets_the_values_of_a_mask_written_from_activations():
     """A mask known from the inputs, then written in place from an activation, has no known
     values any more: reading it is refused, not answered from the stale copy."""
