@@ -1281,14 +1281,22 @@ def _run_error(spec: StepSpec, rec: _Recorder, e: Exception,
         return ModelRunError(
             f"{type(spec.model).__name__} calls torch.utils.checkpoint(use_reentrant=True) "
             f"itself, which cannot be profiled ({type(e).__name__}: {e}). {_OWN_CHECKPOINT}.")
+    grouped_mm = fake and any("grouped_mm" in f.name
+                              for f in traceback.extract_tb(e.__traceback__))
     phase = {"forward": "forward", "loss": "loss_fn", "backward": "backward"}.get(rec.phase,
                                                                                    rec.phase)
+    said = (f"{type(spec.model).__name__}'s training step raised in its {phase}"
+            + (f", in module {where!r}" if phase == "forward" else "")
+            + f": {type(e).__name__}: {str(e).rstrip('.')}.")
+    if grouped_mm:
+        return ModelRunError(
+            f"{said} It ran on fake tensors (estimate mode), whose kernel for grouped_mm (the "
+            "experts' grouped matrix multiply of MoE layers) takes bfloat16 only: estimate the "
+            "model with bfloat16 weights (model.to(torch.bfloat16)), as it trains on a GPU.")
     return ModelRunError(
-        f"{type(spec.model).__name__}'s training step raised in its {phase}"
-        + (f", in module {where!r}" if phase == "forward" else "")
-        + f": {type(e).__name__}: {e}. The planner runs one step (model(**inputs), loss_fn, "
-        "backward) exactly as training would: check that the example inputs are what the model "
-        "takes and that loss_fn returns a scalar."
+        f"{said} The planner runs one step (model(**inputs), loss_fn, backward) exactly as "
+        "training would: check that the example inputs are what the model takes and that "
+        "loss_fn returns a scalar."
         + (" This step ran on fake tensors (estimate mode), where torch's fake kernels can pick "
            "another path than a real step (attention backends, fused kernels): if one real step "
            "of the model runs, profile it in measure mode (possibly at a smaller batch)."

@@ -907,6 +907,23 @@ def test_estimate_mode_names_distribution_validation_as_the_value_read_and_its_s
     assert any(n.op == "aten.log.default" for n in est.nodes)
 
 
+def test_estimate_mode_runs_moe_routing_through_grouped_mm_in_bfloat16():
+    """Mixtral's experts run as one grouped matrix multiply: token routing changes the offsets'
+    values, not any shape, so estimate mode records the step a real one runs (bfloat16: torch's
+    fake grouped_mm takes nothing else, which the error for float32 says)."""
+    from tests.zoo import CASES
+
+    case = CASES["mixtral"]()
+    with pytest.raises(ModelRunError, match=r"grouped_mm .* takes bfloat16 only"):
+        profile(case.model, case.inputs, mode="estimate", device=cpu_spec(measure=False))
+    model = case.model.to(torch.bfloat16)
+    measured = profile(model, case.inputs, repeats=1)
+    est = profile(model, case.inputs, mode="estimate", device=cpu_spec(measure=False))
+    assert any("grouped_mm" in n.op for n in est.nodes)
+    assert [n.op for n in est.nodes] == [n.op for n in measured.nodes]
+    assert simulate(est).peak_bytes == simulate(measured).peak_bytes
+
+
 def test_estimate_mode_forgets_the_values_of_a_mask_written_from_activations():
     """A mask known from the inputs, then written in place from an activation, has no known
     values any more: reading it is refused, not answered from the stale copy."""
