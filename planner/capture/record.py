@@ -406,6 +406,20 @@ _PASS_THROUGH = frozenset({"profiler", "prim"})
 fake tensors dispatch."""
 
 
+def _fake_counterparts(tensors: list[torch.Tensor], sids: list[int]) -> dict[int, int]:
+    """On fake tensors (estimate mode), a real tensor from before the step that an op reads (a
+    constant a module cached in an earlier run) is converted to a fake by the fake mode, once
+    (it memoises the conversion): a view of it lands on the fake's storage, which is the
+    constant's, not a new one. Storage key of each such fake -> the constant's storage id."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    real = [(t, s) for t, s in zip(tensors, sids, strict=True) if not isinstance(t, FakeTensor)]
+    mode = torch._guards.detect_fake_mode() if real else None
+    if mode is None:
+        return {}
+    return {mode.from_tensor(t).untyped_storage()._cdata: s for t, s in real}
+
+
 class _Recorder(TorchDispatchMode):
     """Records every aten op below autograd; see the module docstring."""
 
@@ -417,6 +431,7 @@ class _Recorder(TorchDispatchMode):
         self.marked = marked
         self.sync = sync
         self.suspended = 0
+        self.fake = False  # recording a step on fake tensors (estimate mode)
         self.phase = "forward"
         self.ops: list[OpRecord] = []
         self.placeholders: list[OpRecord] = []
@@ -573,6 +588,8 @@ class _Recorder(TorchDispatchMode):
     def _record(self, func, args, kwargs, in_tensors, in_sids, out, seq, node) -> None:
         idx = len(self.ops)
         in_cdata = {t.untyped_storage()._cdata: s for t, s in zip(in_tensors, in_sids, strict=True)}
+        if self.fake:
+            in_cdata.update(_fake_counterparts(in_tensors, in_sids))
         outs = out if isinstance(out, tuple | list) else (out,)
         out_sids: list[int | None] = []
         new: list[int] = []
@@ -1055,6 +1072,7 @@ def record_step(
         else (lambda: None)
     rec = _Recorder(sync=sync)
     rec._device = device
+    rec.fake = fake
     for name, p in spec.params.items():
         rec.register_fixed("param", name, p)
     for name, b in spec.buffers.items():

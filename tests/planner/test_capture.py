@@ -924,6 +924,33 @@ def test_estimate_mode_runs_moe_routing_through_grouped_mm_in_bfloat16():
     assert simulate(est).peak_bytes == simulate(measured).peak_bytes
 
 
+class _CachedIndex(nn.Module):
+    """Makes an index on its first call and keeps it (not a buffer), as BEiT and Data2Vec-Vision
+    cache their relative position index; every call reads a view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(256, 8))
+        self.index = None
+
+    def forward(self, x):
+        if self.index is None:
+            self.index = torch.arange(256).flip(0).reshape(16, 16)
+        return x @ self.table[self.index.view(-1)].T
+
+
+def test_estimate_mode_counts_a_tensor_cached_before_the_step_as_measure_mode_does():
+    """The cached index is a constant of the step in both modes: its view is no new storage
+    (on fake tensors it was one, and the index op's saved copy of it was counted twice)."""
+    model, x = _CachedIndex(), torch.randn(32, 8)
+    measured = profile(model, x, repeats=1)  # its warm-up step makes the cache
+    assert model.index is not None
+    est = profile(model, x, mode="estimate", device=cpu_spec(measure=False))
+    assert est.storage_bytes == measured.storage_bytes
+    assert est.saved_bytes == measured.saved_bytes
+    assert simulate(est).peak_bytes == simulate(measured).peak_bytes
+
+
 def test_estimate_mode_forgets_the_values_of_a_mask_written_from_activations():
     """A mask known from the inputs, then written in place from an activation, has no known
     values any more: reading it is refused, not answered from the stale copy."""
