@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     unset_fake_temporarily,
 )
@@ -122,7 +123,10 @@ class Shadows(TorchDispatchMode):
         self._on_storage.setdefault(where, set()).add(key)
 
     def real_of(self, t: Any) -> torch.Tensor | None:
-        """The shadow of fake `t`, None if it has none."""
+        """The shadow of fake `t`, None if it has none; a real tensor is its own (a constant the
+        model's code made, ``torch.tensor(...)``, or cached before the step)."""
+        if not isinstance(t, FakeTensor):
+            return None if t.device.type == "meta" else t
         hit = self._real.get(id(t))
         if hit is None or hit[0]() is not t:
             return None
@@ -139,6 +143,9 @@ class Shadows(TorchDispatchMode):
         reals = [self.real_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
         known = all(r is not None for r, x in zip(reals, flat, strict=True)
                     if isinstance(x, torch.Tensor)) and _deterministic(func)
+        written = self._written(func)
+        if known and any(not isinstance(t, FakeTensor) for t in _args_at(written, args, kwargs)):
+            known = False  # never write a real tensor of the user's (a cached constant)
         if known and func is torch.ops.aten._local_scalar_dense.default:
             ok, value = self._run_real(func, reals, tree)
             if ok:
@@ -146,13 +153,23 @@ class Shadows(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
-            ok, real_out = self._run_real(func, reals, tree) if known else (False, None)
-            if not ok:
-                raise
-            out = pytree.tree_map_only(torch.Tensor, self.fake_mode.from_tensor, real_out)
-            self._pair(out, real_out)
-            return out
-        written = self._written(func)
+            if known:
+                ok, real_out = self._run_real(func, reals, tree)
+                if ok:
+                    out = pytree.tree_map_only(torch.Tensor, self.fake_mode.from_tensor, real_out)
+                    self._pair(out, real_out)
+                    return out
+            elif func in _SHAPE_FROM and all(
+                    self.real_of(t) is not None
+                    for t in _args_at([(i, "") for i in _SHAPE_FROM[func]], args, {})):
+                # the output's shape follows from known arguments (a mask, CTC targets and
+                # lengths): the op on stand-ins for the others gives it; no values are known
+                ok, real_out = self._run_real(func, [_stand_in(r, x) for r, x in
+                                                     zip(reals, flat, strict=True)], tree)
+                if ok:
+                    return pytree.tree_map_only(torch.Tensor, self.fake_mode.from_tensor,
+                                                real_out)
+            raise
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         small = bool(outs) and all(o.numel() <= self.limit for o in outs)
         ok = False
@@ -161,10 +178,8 @@ class Shadows(TorchDispatchMode):
             if ok:
                 self._pair(out, real_out)
         if not ok:
-            for i, name in written:
-                target = args[i] if i < len(args) else kwargs.get(name)
-                if isinstance(target, torch.Tensor):
-                    self._forget_storage(target)
+            for target in _args_at(written, args, kwargs):
+                self._forget_storage(target)
         return out
 
     def _run_real(self, func, reals: list[Any], tree) -> tuple[bool, Any]:
@@ -190,6 +205,32 @@ class Shadows(TorchDispatchMode):
                    if a.alias_info is not None and a.alias_info.is_write]
             self._writes[func] = hit
         return hit
+
+
+_SHAPE_FROM = {
+    torch.ops.aten.index.Tensor: (1,),  # x[mask]: as many rows as the mask has True
+    torch.ops.aten.masked_select.default: (1,),
+    torch.ops.aten._ctc_loss.default: (1, 2, 3),  # targets, input and target lengths
+    torch.ops.aten._ctc_loss.Tensor: (1, 2, 3),
+}
+"""Ops whose output shape depends on the values of these arguments only."""
+
+
+def _args_at(positions: list[tuple[int, str]], args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors at these (position, name) arguments, lists of tensors included."""
+    found = []
+    for i, name in positions:
+        a = args[i] if i < len(args) else kwargs.get(name)
+        found += [t for t in pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _stand_in(real: Any, fake: Any) -> Any:
+    """`real`, or for a tensor without one, zeros of its shape and dtype that take no memory."""
+    if real is not None or not isinstance(fake, torch.Tensor):
+        return real
+    with unset_fake_temporarily():
+        return torch.zeros((), dtype=fake.dtype).expand(fake.shape)
 
 
 def _storage_key(t: torch.Tensor) -> int:

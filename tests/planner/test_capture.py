@@ -951,6 +951,59 @@ def test_estimate_mode_counts_a_tensor_cached_before_the_step_as_measure_mode_do
     assert simulate(est).peak_bytes == simulate(measured).peak_bytes
 
 
+class _CTCHead(nn.Module):
+    """A speech model's head and CTC loss (wav2vec2, WavLM, HuBERT): frames -> log-probs."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 12)
+
+    def forward(self, frames, targets, frame_lengths, target_lengths):
+        logp = self.proj(frames).log_softmax(-1).transpose(0, 1)  # (T, B, C)
+        return F.ctc_loss(logp, targets, frame_lengths, target_lengths)
+
+
+class _MaskedRows(nn.Module):
+    """Rows picked by a padding mask, as MoE auxiliary losses weigh router outputs (Doge,
+    Mixtral's load-balancing loss with an attention mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        return self.lin(x)[mask].square().mean()
+
+
+@pytest.mark.parametrize("name", ["ctc", "masked_rows"])
+def test_estimate_mode_takes_an_output_shape_from_known_arguments(name):
+    """CTC's buffers and a masked selection have shapes set by the targets, lengths and mask,
+    which come from the example: estimate mode records them at the real step's shapes (before,
+    it refused both: their fake kernels cannot know the shapes)."""
+    torch.manual_seed(0)
+    if name == "ctc":
+        model = _CTCHead()
+        inputs = (torch.randn(3, 40, 16), torch.randint(1, 12, (3, 9)),
+                  torch.tensor([40, 33, 25]), torch.tensor([9, 7, 4]))
+    else:
+        model = _MaskedRows()
+        mask = torch.ones(4, 10, dtype=torch.bool)
+        mask[1, 6:] = mask[3, 2:] = False
+        inputs = (torch.randn(4, 10, 16), mask)
+    measured = profile(model, inputs, loss_fn=lambda out: out, repeats=1)
+    est = profile(model, inputs, loss_fn=lambda out: out, mode="estimate",
+                  device=cpu_spec(measure=False))
+
+    def forward_sizes(p):
+        return [p.storage_bytes[s] for n in p.nodes if n.phase == "forward"
+                for s in n.new_storages]
+
+    assert forward_sizes(est) == forward_sizes(measured)
+    assert est.saved_bytes == measured.saved_bytes
+    if name == "masked_rows":  # CTC's backward kernels take scratch memory only measured
+        assert simulate(est).peak_bytes == simulate(measured).peak_bytes
+
+
 def test_estimate_mode_forgets_the_values_of_a_mask_written_from_activations():
     """A mask known from the inputs, then written in place from an activation, has no known
     values any more: reading it is refused, not answered from the stale copy."""
