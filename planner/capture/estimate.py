@@ -9,8 +9,9 @@ they keep for backward, and are routed here to what the GPU runs:
 - dropout: CUDA and ROCm run ``native_dropout``, which keeps a bool mask (1 byte per element),
   where the CPU decomposes dropout into ``bernoulli_`` with a mask of the input's dtype;
 - SDPA with dropout: CUDA's flash and memory-efficient kernels apply dropout inside the kernel and
-  keep only the output and log-sum-exp, where a CPU tensor takes the math path, which keeps the
-  (seq x seq) probabilities. Not where the mask is trained (a relative position bias, as Swin
+  keep only the output and log-sum-exp (grouped-query attention included, with the keys and
+  values unexpanded), where a CPU tensor takes the math path, which keeps the (seq x seq)
+  probabilities. Not where the mask is trained (a relative position bias, as Swin
   adds): the CPU's flash kernel takes no gradient for it, so that call keeps the math path (a
   GPU's memory-efficient kernel also returns a mask gradient of the same (seq x seq) size).
 
@@ -276,7 +277,10 @@ def gpu_kernels() -> Iterator[None]:
 
     def gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False):
-        if (dropout_p > 0 and not enable_gqa and query.dim() == 4 and key.shape == value.shape
+        # GQA (fewer key/value heads) too: a GPU's fused kernels take it natively, and the fake
+        # kernel takes the unexpanded keys and values (gradients shaped like them)
+        gqa_ok = not enable_gqa or isinstance(query, FakeTensor)
+        if (dropout_p > 0 and gqa_ok and query.dim() == 4 and key.shape == value.shape
                 and (attn_mask is None or not attn_mask.requires_grad)):
             out, _lse = aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale

@@ -1053,6 +1053,26 @@ def test_estimate_for_gpu_fuses_attention_with_dropout():
     assert gpu.saved_bytes < cpu.saved_bytes
 
 
+def test_estimate_for_gpu_fuses_grouped_query_attention_with_dropout():
+    """Llama with 2 key/value heads for 4 query heads and attention dropout: a GPU's fused kernel
+    takes the keys and values as they are (no repeat_kv copies, no probabilities kept)."""
+    from tests.zoo import CASES
+
+    case = CASES["llama"]()
+    cfg = case.model.config
+    assert cfg.num_key_value_heads < cfg.num_attention_heads and cfg.attention_dropout > 0
+    gpu = profile(case.model, case.inputs, mode="estimate", device="h100")
+    attn = [n for n in gpu.nodes if n.module.endswith("self_attn") and n.phase == "forward"]
+    fused = [n for n in attn if "_scaled_dot_product_flash_attention" in n.op]
+    assert fused and not any("softmax" in n.op or n.op == "aten.clone.default" for n in attn)
+    k_proj = next(n for n in gpu.nodes if n.module.endswith("self_attn.k_proj")
+                  and n.op == "aten.mm.default")
+    q_proj = next(n for n in gpu.nodes if n.module.endswith("self_attn.q_proj")
+                  and n.op == "aten.mm.default")
+    k_bytes = gpu.storage_bytes[k_proj.new_storages[0]]
+    assert 2 * k_bytes == gpu.storage_bytes[q_proj.new_storages[0]]  # keys stay at 2 heads
+
+
 def test_estimate_for_gpu_runs_attention_whose_mask_is_trained():
     """A trained attention bias (Swin's relative positions) passed as SDPA's mask, with dropout:
     the CPU's fused kernel takes no gradient for the mask, so the GPU estimate keeps the path a
