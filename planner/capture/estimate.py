@@ -69,7 +69,7 @@ class Faker:
             f = self._fake(t)
             self._done[id(t)] = (t, f)
         if shadow and self.shadows is not None and t.device.type != "meta":
-            self.shadows.add(f, t.detach())
+            self.shadows.add(f, t.detach().clone())  # a copy: no op of the step writes t
         return f
 
     def _fake(self, t: torch.Tensor) -> torch.Tensor:
@@ -108,6 +108,7 @@ class Shadows(TorchDispatchMode):
         # op's output makes autograd hand the model a detached copy (an extra `detach` op).
         self._real: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._on_storage: dict[int, set[int]] = {}  # storage key -> ids of shadowed fakes on it
+        self._constants: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # real -> its copy
         self._writes: dict[Any, list[tuple[int, str]]] = {}
 
     def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
@@ -124,10 +125,17 @@ class Shadows(TorchDispatchMode):
         self._on_storage.setdefault(where, set()).add(key)
 
     def real_of(self, t: Any) -> torch.Tensor | None:
-        """The shadow of fake `t`, None if it has none; a real tensor is its own (a constant the
-        model's code made, ``torch.tensor(...)``, or cached before the step)."""
+        """The shadow of fake `t`, None if it has none. A real tensor (a constant the model's
+        code made, ``torch.tensor(...)``, or cached before the step) has its values: a copy of
+        it, made once, so that no re-run op aliases or writes the model's own tensor."""
         if not isinstance(t, FakeTensor):
-            return None if t.device.type == "meta" else t
+            if t.device.type == "meta" or t.numel() > self.limit:
+                return None
+            hit = self._constants.get(id(t))
+            if hit is None or hit[0]() is not t:
+                hit = (weakref.ref(t), t.detach().clone())
+                self._constants[id(t)] = hit
+            return hit[1]
         hit = self._real.get(id(t))
         if hit is None or hit[0]() is not t:
             return None

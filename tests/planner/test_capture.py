@@ -1004,6 +1004,32 @@ def test_estimate_mode_takes_an_output_shape_from_known_arguments(name):
         assert simulate(est).peak_bytes == simulate(measured).peak_bytes
 
 
+class _StepCounter(nn.Module):
+    """Counts its calls in a buffer, in place (as BatchNorm's num_batches_tracked does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x, ids):
+        self.calls += 1
+        ids.clamp_(max=3)  # writes its input, as some preprocessing in forward does
+        return self.norm(self.lin(x)) * (1 + self.calls.float() / 1000) + ids.float().mean()
+
+
+def test_estimate_mode_leaves_the_models_tensors_and_the_inputs_as_they_were():
+    """The values of the buffer and of the integer input are known in estimate mode (their
+    in-place updates are re-run on real values), on copies: neither the user's model nor the
+    example inputs are touched."""
+    model = _StepCounter().train()
+    ids = torch.arange(16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile(model, (torch.randn(16, 8), ids), mode="estimate")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(ids, torch.arange(16))
+
+
 def test_estimate_mode_forgets_the_values_of_a_mask_written_from_activations():
     """A mask known from the inputs, then written in place from an activation, has no known
     values any more: reading it is refused, not answered from the stale copy."""
