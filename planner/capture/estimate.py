@@ -133,7 +133,8 @@ class Shadows(TorchDispatchMode):
                 return None
             hit = self._constants.get(id(t))
             if hit is None or hit[0]() is not t:
-                hit = (weakref.ref(t), t.detach().clone())
+                with unset_fake_temporarily():  # read inside the step: a real copy, not a fake
+                    hit = (weakref.ref(t), t.detach().clone())
                 self._constants[id(t)] = hit
             return hit[1]
         hit = self._real.get(id(t))

@@ -1306,6 +1306,13 @@ def _run_error(spec: StepSpec, rec: _Recorder, e: Exception,
     said = (f"{type(spec.model).__name__}'s training step raised in its {phase}"
             + (f", in module {where!r}" if phase == "forward" else "")
             + f": {type(e).__name__}: {str(e).rstrip('.')}.")
+    if fake and "data is not allocated" in str(e):
+        return ModelRunError(
+            f"estimate mode cannot run {type(spec.model).__name__}: in module {where!r}, the "
+            "model's code reads a tensor's data outside torch's operators (torch.tensor() of a "
+            "list of tensors, .numpy(), a custom kernel), which a fake tensor cannot answer "
+            f"({type(e).__name__}: {str(e).splitlines()[0]}). Profile it in measure mode (on a "
+            "machine that can run one step of it, possibly at a smaller batch).")
     if grouped_mm:
         return ModelRunError(
             f"{said} It ran on fake tensors (estimate mode), whose kernel for grouped_mm (the "

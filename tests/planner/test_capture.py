@@ -1030,6 +1030,30 @@ def test_estimate_mode_leaves_the_models_tensors_and_the_inputs_as_they_were():
     assert torch.equal(ids, torch.arange(16))
 
 
+class _ReadsItsConstant(nn.Module):
+    """Reads the values of a tensor it keeps as a plain attribute (not a buffer)."""
+
+    def __init__(self, build_list: bool = False):
+        super().__init__()
+        self.lin, self.sizes, self.build_list = nn.Linear(8, 8), torch.tensor([2, 3]), build_list
+
+    def forward(self, ids):
+        if self.build_list:  # torch.tensor of 0-d tensors reads their data outside any op
+            ids = ids[:, : int(torch.tensor([ids.max(), ids.min()]).sum())]
+        keep = int(self.sizes.sum())  # a constant's value: known in estimate mode too
+        return self.lin(F.one_hot(ids[:, :keep], 8).float())
+
+
+def test_estimate_mode_reads_a_constant_the_model_keeps():
+    est = profile(_ReadsItsConstant(), torch.randint(0, 8, (4, 9)), mode="estimate")
+    assert any(n.op == "aten.mm.default" for n in est.nodes)
+
+
+def test_estimate_mode_names_a_read_of_data_outside_torchs_operators():
+    with pytest.raises(ModelRunError, match=r"reads a tensor's data outside torch's operators"):
+        profile(_ReadsItsConstant(build_list=True), torch.randint(1, 8, (4, 9)), mode="estimate")
+
+
 def test_estimate_mode_forgets_the_values_of_a_mask_written_from_activations():
     """A mask known from the inputs, then written in place from an activation, has no known
     values any more: reading it is refused, not answered from the stale copy."""
