@@ -18,12 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCRIPT = r"""
-import json, resource, sys, time
+BUILD = r"""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from planner.profiling import profile
-from solvers import simulate
 cfg = LlamaConfig(
     vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
@@ -31,6 +28,13 @@ cfg = LlamaConfig(
 cfg._attn_implementation = "sdpa"
 with torch.device("meta"):
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+"""
+"""The model, in the source of a fresh process (`tests/planner/test_profile_7b.py` runs it too)."""
+
+SCRIPT = BUILD + r"""
+import json, resource, sys, time
+from planner.profiling import profile
+from solvers import simulate
 ids = torch.zeros(1, 4096, dtype=torch.long, device=sys.argv[1])
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()

@@ -14,21 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.profile_7b import BUILD
+
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = r"""
+SCRIPT = BUILD + r"""
 import json, resource, time
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from planner.profiling import profile
 
-cfg = LlamaConfig(
-    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-)
-cfg._attn_implementation = "sdpa"
-with torch.device("meta"):
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
 ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
 n_params = sum(p.numel() for p in model.parameters())
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
