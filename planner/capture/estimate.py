@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from planner.capture.record import written_positions
 from planner.devices import DeviceSpec, roofline_ms
 
 __all__ = ["Faker", "Shadows", "gpu_kernels", "roofline_times", "transformers_values"]
@@ -211,8 +212,8 @@ class Shadows(TorchDispatchMode):
         """Position and name of each argument `func` writes (in place, or ``out=``)."""
         hit = self._writes.get(func)
         if hit is None:
-            hit = [(i, a.name) for i, a in enumerate(func._schema.arguments)
-                   if a.alias_info is not None and a.alias_info.is_write]
+            names = [a.name for a in func._schema.arguments]
+            hit = [(i, names[i]) for i in written_positions(func)]
             self._writes[func] = hit
         return hit
 
