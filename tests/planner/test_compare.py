@@ -225,3 +225,27 @@ def test_timed_rounds_come_after_every_strategy_is_set_up(monkeypatch) -> None:
     for r in measured:
         assert len(r.samples_ms) == 2, r  # repeats x inner_repeats, none from the setup
         assert min(r.samples_ms) >= stepped, r  # taken after every setup step
+
+
+def test_the_65_percent_point_has_every_plan_of_ours_on_eager_attention() -> None:
+    """On a transformer with eager attention, "ours" is planned at 0.35x as well (the ">= 65%
+    less activation memory at <= 5% extra" target), compiled as well as eager, and the target
+    reads the fastest of them that saved 65%."""
+    from tests.models import gpt_eager
+
+    model, x = gpt_eager(batch=2, seq=16, dim=32, heads=2, layers=2, vocab=64)
+    model.train()
+    res = compare(model, x, fractions=(0.75,), repeats=1, inner_repeats=1, iso=False,
+                  compile_budgets=(0.5,), compile_memory_budgets=(1.0,),
+                  compile_backend="aot_eager", time_limit_s=5)
+    assert res.eager_attention and 0.35 in res.budgets
+    at = {r.strategy: r for r in res.rows if r.fraction == 0.35}
+    assert {"ours@0.35", "ours+aot_eager@0.35"} <= set(at), sorted(at)
+    ((title, ok, detail),) = [c for c in res.checks() if c[0].startswith("eager-attention")]
+    good = [r for r in res.rows if r.kind.startswith("ours") and r.measured
+            and res.activation_saving(r) >= 0.65]
+    if good:
+        best = min(good, key=lambda r: r.extra_pct)
+        assert detail.startswith(f"{best.strategy}:") and ok == (best.extra_pct <= 5.0)
+    else:
+        assert not ok and detail.startswith("no plan of ours saved 65%")
