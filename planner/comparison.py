@@ -389,7 +389,8 @@ class CompareResult:
             best = min(rivals, key=lambda r: r.extra_pct)
             out.append((f"{f:g}x: ours + {backend} at least as fast as the fastest fitting "
                         f"{label}(b)", ours.extra_pct <= best.extra_pct,
-                        f"ours {ours.extra_pct:+.1f}% vs {best.strategy} {best.extra_pct:+.1f}%"))
+                        f"ours {ours.extra_pct:+.1f}% vs {best.strategy} {best.extra_pct:+.1f}%"
+                        + self._per_round(ours, best)))
             if plain is None or not plain.measured:
                 continue
             # Extra time over backend(1) itself, as a percentage of its step time.
@@ -401,6 +402,21 @@ class CompareResult:
                             f"ours {ours_over:+.1f}% over {plain.strategy}, {best.strategy} "
                             f"{best_over:+.1f}%, limit {best_over / 2:+.1f}%"))
         return out
+
+    def _per_round(self, a: Row, b: Row) -> str:
+        """a's step time over b's round by round (each round steps every row in turn, so the
+        two were timed minutes apart at most), as text for a check's detail: the median ratio
+        and the rounds a was faster in. Empty where a and b are one measurement or their
+        rounds cannot be paired."""
+        inner = int(self.meta.get("inner_repeats") or 0)
+        sa, sb = a.samples_ms, b.samples_ms
+        if inner <= 0 or not sa or sa == sb or len(sa) != len(sb) or len(sa) % inner:
+            return ""
+        rounds = [(statistics.median(sa[k:k + inner]), statistics.median(sb[k:k + inner]))
+                  for k in range(0, len(sa), inner)]
+        ratios = [x / y for x, y in rounds]
+        return (f"; per round, {a.strategy} / {b.strategy} median {statistics.median(ratios):.3f}"
+                f", faster in {sum(q < 1 for q in ratios)} of {len(ratios)}")
 
     def checks_text(self) -> str:
         return "\n".join(f"[{'PASS' if ok else 'FAIL'}] {t}: {d}" for t, ok, d in self.checks())

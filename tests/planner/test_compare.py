@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -249,3 +251,40 @@ def test_the_65_percent_point_has_every_plan_of_ours_on_eager_attention() -> Non
         assert detail.startswith(f"{best.strategy}:") and ok == (best.extra_pct <= 5.0)
     else:
         assert not ok and detail.startswith("no plan of ours saved 65%")
+
+
+def test_the_speed_check_pairs_the_rounds():
+    """The "at least as fast" check compares the rows' medians, and its detail pairs each
+    round's times (every round steps every row in turn): here ours is slower by the medians
+    (98 against 90 ms) but faster in 2 of 3 rounds, median ratio 0.990, which the detail says."""
+    from planner.comparison import CompareResult, Row
+
+    def row(strategy, kind, samples, peak, **kw):
+        ms = statistics.median(samples)
+        return Row(strategy=strategy, kind=kind, measured_peak_bytes=peak, step_ms=ms,
+                   samples_ms=samples, extra_pct=100 * (ms / 100 - 1), **kw)
+
+    def result(ours_samples):
+        rows = [row("none", "none", [100.0] * 6, 1000),
+                row("inductor(1)", "compile", [95.0] * 6, 900, method="inductor"),
+                row("inductor(0.5)", "compile", [80, 80, 90, 90, 99, 99], 500,
+                    method="inductor"),
+                row("ours+inductor@0.5", "ours_compiled", ours_samples, 500, fraction=0.5,
+                    method="inductor(1), ilp")]
+        return CompareResult(model="m", rows=rows, none_peak_bytes=1000, fixed_bytes=0,
+                             fractions=(0.5,), budgets={0.5: 600}, eager_attention=False,
+                             meta={"inner_repeats": 2})
+
+    def speed(res):
+        ((ok, detail),) = [(ok, d) for t, ok, d in res._compiled_checks() if "as fast" in t]
+        return ok, detail
+
+    ok, detail = speed(result([79, 79, 120, 120, 98, 98]))
+    assert not ok
+    assert detail.endswith("per round, ours+inductor@0.5 / inductor(0.5) median 0.990, "
+                           "faster in 2 of 3"), detail
+    ok, detail = speed(result([79, 79, 89, 89, 98, 98]))
+    assert ok and detail.endswith("faster in 3 of 3"), detail
+    # rounds that cannot be paired (another count of samples): no per-round figures
+    ok, detail = speed(result([79, 85, 88, 98]))
+    assert ok and "per round" not in detail, detail
