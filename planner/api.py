@@ -37,6 +37,7 @@ from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
 from planner.profiling import CHECK_TOLERANCE, profile, step_spec
+from solvers.accumulation import holding_grads
 from solvers.distributed import per_rank
 from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
@@ -202,6 +203,9 @@ class Plan:
                   "gradients and optimizer state sharded)" if p.meta.sharding == "fsdp"
                   else "DDP (full replicas plus gradient buckets)")
                + "; peaks are per rank"] if p.meta.sharding else []),
+            *([f"gradient accumulation: every gradient held when the step starts "
+               f"({format_bytes(p.grad_bytes)}, in fixed memory), as after the first "
+               "micro-batch; the first peaks no higher"] if p.meta.grads_held else []),
             f"{'method':<22} {'status':<11} {'peak':>12} {'extra time':>18} {'regions':>8}",
         ]
         for name, s in rows:
@@ -300,7 +304,8 @@ class Plan:
                                   atol=atol, repeats=repeats, autocast=self.autocast,
                                   predicted_peak_bytes=self.predicted_peak_bytes_now(),
                                   optimizer=self.optimizer, held_bytes=self.profile.held_bytes,
-                                  judge_budget=self.compiled_backend is None)
+                                  judge_budget=self.compiled_backend is None,
+                                  grads_held=self.profile.meta.grads_held)
 
     def predicted_peak_bytes_now(self) -> int:
         """The predicted peak of the model as it is wrapped now: per rank once DDP wraps it or
@@ -318,10 +323,12 @@ class Plan:
         """Peak memory and step time of the planned model on the example inputs (one rank's,
         once the model is wrapped by DDP or sharded by `fully_shard`: compare with
         `predicted_peak_bytes_now`). With the optimizer's step when the plan was made with one,
-        as its prediction; the model and optimizer are left as they were."""
+        as its prediction, and with every gradient held when the step starts where the plan was
+        made for gradient accumulation; the model and optimizer are left as they were."""
         return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats,
                        autocast=self.autocast, optimizer=self.optimizer,
-                       held_bytes=self.profile.held_bytes)
+                       held_bytes=self.profile.held_bytes,
+                       grads_held=self.profile.meta.grads_held)
 
 
 def region_label(r: Region) -> str:
@@ -344,23 +351,25 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
                    autocast: torch.dtype | None = None,
                    predicted_peak_bytes: int | None = None,
                    optimizer: torch.optim.Optimizer | None = None,
-                   held_bytes: int = 0, judge_budget: bool = True) -> Verification:
+                   held_bytes: int = 0, judge_budget: bool = True,
+                   grads_held: bool = False) -> Verification:
     """Compare one training step of the unplanned model (`reference`, a context that yields it)
     with the planned one (`planned`): loss, gradients, measured peak and time. The planned
     module's gradients are read from `planned_params` where it wraps the model (graph plans).
     Peaks and times are measured with `optimizer`'s step where the plan counts one, and count
-    `held_bytes` (`Profile.held_bytes`) in fixed memory. Warns where the planned peak is above
+    `held_bytes` (`Profile.held_bytes`) in fixed memory, and with every gradient held when the
+    step starts where `grads_held` (gradient accumulation). Warns where the planned peak is above
     `budget_bytes`, unless `judge_budget` is False (a plan for `torch.compile`, whose budget
     holds for the compiled step, not the eager one measured here)."""
     loss_fn = loss_fn or default_loss
     with (reference() if callable(reference) else reference) as ref:
         l0, g0 = _one_step(ref, example_inputs, loss_fn, autocast=autocast)
         m0 = measure(ref, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
-                     optimizer=optimizer, held_bytes=held_bytes)
+                     optimizer=optimizer, held_bytes=held_bytes, grads_held=grads_held)
     with planned as mod:
         l1, g1 = _one_step(mod, example_inputs, loss_fn, planned_params, autocast)
         m1 = measure(mod, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
-                     optimizer=optimizer, held_bytes=held_bytes)
+                     optimizer=optimizer, held_bytes=held_bytes, grads_held=grads_held)
     if not torch.allclose(l0, l1, rtol=rtol, atol=atol):
         with (reference() if callable(reference) else reference) as ref:
             again, _ = _one_step(ref, example_inputs, loss_fn, autocast=autocast)
@@ -470,7 +479,8 @@ def _profiled_draw(prof: Profile, model: torch.nn.Module, example_inputs: Any, l
 def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_fn,
            autocast: torch.dtype | None,
            optimizer: torch.optim.Optimizer | None = None,
-           must_run: list[str] | None = None, held_bytes: int = 0) -> list[int]:
+           must_run: list[str] | None = None, held_bytes: int = 0,
+           grads_held: bool = False) -> list[int]:
     """The planned step's measured peak on the example and each other batch, or on other random
     draws of the example: how much a value-dependent model's memory moves from batch to batch.
     With the optimizer's state and step, as the plan's budget counts them (restored after).
@@ -486,15 +496,17 @@ def _peaks(model: torch.nn.Module, example_inputs: Any, extra: list[Any], loss_f
         with torch.random.fork_rng():
             torch.manual_seed(seeds[k % len(seeds)])
             peaks.append(measure(model, batch, loss_fn, optimizer=optimizer, repeats=1,
-                                 autocast=autocast, held_bytes=held_bytes).peak_bytes)
+                                 autocast=autocast, held_bytes=held_bytes,
+                                 grads_held=grads_held).peak_bytes)
     return peaks
 
 
 def compiled_peak(module: torch.nn.Module, example_inputs: Any, loss_fn,
-                  autocast: torch.dtype | None = None, held_bytes: int = 0) -> Measurement:
+                  autocast: torch.dtype | None = None, held_bytes: int = 0,
+                  grads_held: bool = False) -> Measurement:
     """One measured step of a compiled model (a copy of the user's, `planner.compiled`)."""
     return measure(module, example_inputs, loss_fn, repeats=1, autocast=autocast,
-                   held_bytes=held_bytes)
+                   held_bytes=held_bytes, grads_held=grads_held)
 
 
 def solve_within(profile: Profile, budget_bytes: int, method: str = "auto",
@@ -556,8 +568,8 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
 
     def peak(c: torch.nn.Module) -> int:
         with seeded(draw):
-            return compiled_peak(c, example_inputs, loss_fn, autocast,
-                                 prof.held_bytes).peak_bytes
+            return compiled_peak(c, example_inputs, loss_fn, autocast, prof.held_bytes,
+                                 prof.meta.grads_held).peak_bytes
 
     restore: dict[str, Any] = {}
     compiled.raise_recompile_limit(restore)
@@ -703,6 +715,7 @@ def plan(
     fsdp: bool = False,
     fsdp_units: Sequence[str] | None = None,
     trace_forwards: bool = True,
+    grad_accumulation: bool = False,
     progress: bool = False,
 ) -> Plan:
     """Plan activation checkpointing for `model` so that a training step fits the budget, and
@@ -749,6 +762,10 @@ def plan(
         trace_forwards: let regions start inside a module's forward, which is traced with
             `torch.fx` for that (`planner.stages`); False keeps every region a module call (or a
             run of an `nn.Sequential`'s children) and runs only your own forwards.
+        grad_accumulation: you accumulate gradients over micro-batches (or zero them with
+            ``set_to_none=False``): the budget then holds for a step that starts with every
+            gradient held from the micro-batch before, which peaks higher than the first
+            (`solvers.accumulation`). `verify` and `measure` step it so.
 
     Under torch.distributed, `plan` is collective: call it on every rank (as `fully_shard` and
     DDP are); every rank applies rank 0's schedule.
@@ -777,10 +794,23 @@ def plan(
             "the model is in eval mode; checkpointing is for training: call model.train() first"
         )
     world, sharding = _data_parallel(given, world_size, fsdp, fsdp_units)
+    if grad_accumulation and sharding:
+        raise CkptPlannerError(
+            "grad_accumulation=True is modelled for one process only, not yet under "
+            + ("FSDP2" if sharding == "fsdp" else "DDP")
+            + ": plan without it and keep the gradients' size free below the budget (a step "
+            "after the first micro-batch holds every gradient from its start)")
     t0 = time.perf_counter()
     local = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                     repeats=repeats, autocast=autocast, trace_forwards=trace_forwards,
                     progress=progress)
+    if grad_accumulation:  # one process only (above): the step as it runs is the one planned
+        local = holding_grads(local)
+        if local.meta.measured_peak_bytes is not None:  # the report's check, on this step
+            local = dataclasses.replace(local, meta=dataclasses.replace(
+                local.meta, measured_peak_bytes=measure(
+                    model, example_inputs, loss_fn, optimizer=optimizer, repeats=0,
+                    autocast=autocast, held_bytes=local.held_bytes, grads_held=True).peak_bytes))
     prof = local
     if sharding:
         try:
@@ -812,7 +842,7 @@ def plan(
         # Memory that moves from batch to batch is kept free below the compiled budget: the
         # spread of the (eager) planned step's peak over other batches or random draws.
         peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer,
-                       _must_run(prof), prof.held_bytes) \
+                       _must_run(prof), prof.held_bytes, prof.meta.grads_held) \
             if moves else [0]
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
                           time_limit_s, compile_memory_budgets, spread(peaks))
@@ -824,7 +854,7 @@ def plan(
         margin = 0
         for _ in range(MARGIN_ROUNDS):
             peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer,
-                           _must_run(prof), prof.held_bytes)
+                           _must_run(prof), prof.held_bytes, prof.meta.grads_held)
             need = (p.rank_offset_bytes() + max(peaks)
                     + (max(peaks) - min(peaks) if prof.meta.data_dependent_ops else 0)
                     - (budget - SLACK_BYTES))

@@ -19,6 +19,7 @@ from solvers import (
     simulate,
     solve,
 )
+from solvers.accumulation import holding_grads
 from solvers.distributed import per_rank
 from solvers.simulate import peak_breakdown
 from solvers.solve import BASELINES, lowest, pareto, smallest_peak
@@ -57,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fsdp", action="store_true",
         help="FSDP2: parameters, gradients and optimizer state sharded N ways, the units in "
              "flight all-gathered (fully_shard on each repeated block and the root)")
+    parser.add_argument(
+        "--grad-accumulation", action="store_true",
+        help="plan a step that starts with every gradient held, as every micro-batch after the "
+             "first does under gradient accumulation (or with zero_grad(set_to_none=False))")
     parser.add_argument(
         "--fsdp-units", metavar="MODULES",
         help="with --fsdp: comma-separated module names fully_shard is applied to besides the "
@@ -189,6 +194,14 @@ def run(args: argparse.Namespace) -> int:
         except (ProfileError, ValueError) as e:
             print(f"ckpt-planner plan: {e}", file=sys.stderr)
             return 2
+    if args.grad_accumulation:
+        try:
+            p = holding_grads(p)
+        except ProfileError as e:
+            print(f"ckpt-planner plan: {e}", file=sys.stderr)
+            return 2
+        print(f"gradient accumulation: every gradient held from the step's start "
+              f"({format_bytes(p.grad_bytes)}); fixed memory {format_bytes(p.fixed_bytes)}")
     if args.method != "auto" and args.method not in available_methods():
         print(f"ckpt-planner plan: unknown method {args.method!r}; expected one of "
               f"{', '.join(available_methods())}", file=sys.stderr)

@@ -11,7 +11,8 @@ On CPU the truth is the running sum of the allocator's ``[memory]`` events from 
 
 Peak bytes count everything alive during the step, parameters, buffers and inputs included
 (`fixed_bytes`), as `max_memory_allocated` does; gradients are set to None before the step, so they
-are allocated inside it.
+are allocated inside it, or with ``grads_held=True`` to zeros, as a micro-batch after the first
+under gradient accumulation finds them (held before the step: fixed memory).
 """
 
 from __future__ import annotations
@@ -111,6 +112,19 @@ def _zero_grads(module: torch.nn.Module) -> None:
         p.grad = None
 
 
+def _hold_grads(module: torch.nn.Module) -> None:
+    """Every trainable parameter's gradient held, as zeros, as the micro-batches before would
+    have left them under gradient accumulation."""
+    for p in module.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+        else:
+            p.grad = None
+
+
 def measure(
     module: torch.nn.Module,
     example_inputs: Any,
@@ -122,6 +136,7 @@ def measure(
     restore: bool = True,
     autocast: torch.dtype | None = None,
     held_bytes: int = 0,
+    grads_held: bool = False,
 ) -> Measurement:
     """Measure one training step of `module` (peak and retained memory, median step time).
 
@@ -131,9 +146,12 @@ def measure(
     With `autocast` a dtype, forward and loss run under ``torch.autocast``, backward outside it.
     `held_bytes`: tensors the model holds outside its parameters and buffers that the step reads
     (a cache: `Profile.held_bytes`), counted in fixed memory as a profile counts them; nothing
-    here can find them.
+    here can find them. `grads_held`: every step starts with each trainable parameter's
+    gradient held (zeros), as under gradient accumulation after the first micro-batch
+    (`solvers.accumulation`); they count in fixed memory.
     """
     loss_fn = loss_fn or default_loss
+    reset = _hold_grads if grads_held else _zero_grads
     args, kwargs = split_inputs(example_inputs)
     params = list(module.parameters())
     saved_state = (
@@ -161,11 +179,12 @@ def measure(
 
     try:
         for _ in range(warmup):
-            _zero_grads(module)
+            reset(module)
             _step(module, args, kwargs, loss_fn, optimizer, None, amp)
             same_draw()
-        _zero_grads(module)
-        fixed = fixed_bytes(module, example_inputs, optimizer) + held_bytes
+        reset(module)
+        fixed = fixed_bytes(module, example_inputs, optimizer) + held_bytes + (
+            _storages_bytes([p.grad for p in params]) if grads_held else 0)
         # No collection during the measured step: one its allocations happen to trigger could
         # free what reference cycles hold from before the profiler started (the warm-up's, the
         # caller's), lowering the running sum, or the step's own cycles, which the profile keeps
@@ -178,14 +197,14 @@ def measure(
                 peak, retained = _measure_cuda(module, args, kwargs, loss_fn, optimizer, amp)
             else:
                 peak, retained = _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
-                                              same_draw)
+                                              same_draw, reset)
         finally:
             if collecting:
                 gc.enable()
         times = []
         for _ in range(repeats):
             same_draw()
-            _zero_grads(module)
+            reset(module)
             if cuda:
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
@@ -219,7 +238,8 @@ DISTRIBUTED_STEPS = 6
 
 
 def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
-                 same_draw: Callable[[], None] = lambda: None) -> tuple[int, int]:
+                 same_draw: Callable[[], None] = lambda: None,
+                 reset: Callable[[torch.nn.Module], None] = _zero_grads) -> tuple[int, int]:
     """Peak (above what existed before) and retained-after-forward bytes from memory events.
 
     Under torch.distributed (gloo), some frees run on gloo's worker threads, which the profiler
@@ -237,8 +257,7 @@ def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
     best = None
     for _ in range(DISTRIBUTED_STEPS if dist else 1):
         same_draw()
-        if optimizer is None:
-            _zero_grads(module)
+        reset(module)  # with an optimizer, its zero_grad left them None after the step before
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             _step(module, args, kwargs, loss_fn, optimizer, marker, amp)
         peak, retained, end = _peak_and_retained(prof, "ckpt_planner::forward_done", ends=True)

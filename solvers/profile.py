@@ -201,6 +201,10 @@ class ProfileMeta:
     in flight all-gathered), or "" for a single process."""
     shard_units: list[str] = field(default_factory=list)
     """With ``fsdp``: the modules `fully_shard` is applied to besides the root, in forward order."""
+    grads_held: bool = False
+    """Every trainable parameter's gradient is held when the step starts (a micro-batch after the
+    first under gradient accumulation: `solvers.accumulation.holding_grads`); False for a step
+    that starts with none, as recorded."""
     measured_peak_bytes: int | None = None
     """Measure mode: the peak of one plain step of the model as profiled (no plan), measured
     (`planner.measure`) to check the recording against; None where not measured (estimate mode,

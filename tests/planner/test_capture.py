@@ -896,11 +896,14 @@ class _GaussianHead(nn.Module):
 
 def test_estimate_mode_names_distribution_validation_as_the_value_read_and_its_switch():
     model, x, y = _GaussianHead(), torch.randn(16, 8), torch.randn(16, 1)
-    with pytest.raises(ModelRunError, match=r"set_default_validate_args\(False\)"):
-        profile(model, (x, y), loss_fn=lambda out: out, mode="estimate")
     validate = torch.distributions.Distribution._validate_args
-    torch.distributions.Distribution.set_default_validate_args(False)
+    # torch's default; dynamo turns it off for the whole process on its first use
+    # (torch/_dynamo/eval_frame.py), so a compile test run before this one would
+    torch.distributions.Distribution.set_default_validate_args(True)
     try:
+        with pytest.raises(ModelRunError, match=r"set_default_validate_args\(False\)"):
+            profile(model, (x, y), loss_fn=lambda out: out, mode="estimate")
+        torch.distributions.Distribution.set_default_validate_args(False)
         est = profile(model, (x, y), loss_fn=lambda out: out, mode="estimate")
     finally:
         torch.distributions.Distribution.set_default_validate_args(validate)
