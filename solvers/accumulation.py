@@ -16,6 +16,11 @@ last layers'.
 before the step, as parameters are), and what backward makes for them is freed as soon as it is
 added. The simulator, and with it every solver, then prices that step; a plan made on it holds
 for the first micro-batch too, which peaks no higher.
+
+Under DDP the held gradients are the same full gradients beside DDP's buckets (a micro-batch
+under ``no_sync()`` is the single process's step; the one that synchronizes copies each gradient
+into its bucket and back, allocating nothing), so the transform applies before or after
+`solvers.distributed.per_rank`'s; FSDP2 is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ import dataclasses
 from solvers.errors import ProfileError
 from solvers.profile import FIXED_PHASES, Node, Profile
 
-__all__ = ["holding_grads"]
+__all__ = ["holding_grads", "refuse_fsdp"]
+
+_NOT_FSDP = (
+    "gradient accumulation under FSDP2 is not modelled (not measured: FSDP2 keeps unsharded "
+    "gradients between micro-batches while gradient sync is off); plan without it and keep the "
+    "gradients' size free below the budget")
 
 HELD_GRADS = "accumulation.held_gradients"
 """Name of the node that holds the gradients from before the step."""
@@ -38,12 +48,8 @@ def holding_grads(profile: Profile) -> Profile:
     if profile.meta.grads_held:
         raise ProfileError("this profile already describes a step with its gradients held "
                            "(gradient accumulation); start from the profile as recorded")
-    if profile.meta.sharding:
-        raise ProfileError(
-            f"gradient accumulation under {profile.meta.sharding.upper()} is not modelled (not "
-            "measured: FSDP2 keeps unsharded gradients between micro-batches while gradient "
-            "sync is off, DDP copies them through its buckets); plan one process's step, or "
-            "plan without it and keep the gradients' size free below the budget")
+    if profile.meta.sharding == "fsdp":
+        raise ProfileError(_NOT_FSDP)
     p = profile
     # What backward made for the parameters: the recording saw it held to the step's end (as
     # `.grad`, released at the last node); here it dies once added into the held gradient.
@@ -62,3 +68,9 @@ def holding_grads(profile: Profile) -> Profile:
         grads=(),  # what backward makes for a parameter dies once added into its held gradient
         meta=dataclasses.replace(p.meta, grads_held=True),
     )
+
+
+def refuse_fsdp(profile: Profile) -> None:
+    """Raise where `profile` holds gradients (FSDP2 with accumulation is not modelled)."""
+    if profile.meta.grads_held:
+        raise ProfileError(_NOT_FSDP)

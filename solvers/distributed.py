@@ -29,6 +29,7 @@ import bisect
 import dataclasses
 import math
 
+from solvers.accumulation import refuse_fsdp
 from solvers.chain import blocks
 from solvers.errors import ProfileError
 from solvers.profile import COLLECTIVE_PREFIX, FIXED_PHASES, ModuleCall, Node, Profile
@@ -64,6 +65,7 @@ def per_rank(profile: Profile, *, world_size: int, sharding: str,
         )
     if sharding == "ddp":
         return _ddp(profile, world_size)
+    refuse_fsdp(profile)
     if profile.meta.capture != "run":
         raise ProfileError(
             "an FSDP per-rank profile needs the module calls of a profile recorded by running the "

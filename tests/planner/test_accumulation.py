@@ -127,9 +127,10 @@ def test_lora_gradients_held_are_the_adapters_only():
     assert abs(predicted - looped) <= 0.01 * looped, (predicted, looped)
 
 
-def test_gradient_accumulation_under_data_parallelism_is_refused():
+def test_gradient_accumulation_under_fsdp_is_refused():
+    """Not modelled under FSDP2 (measured under DDP: tests/planner/test_distributed.py)."""
     model, x = build("ln_linear_stack")
-    with pytest.raises(CkptPlannerError, match="not yet under FSDP2"):
+    with pytest.raises(CkptPlannerError, match="not modelled under FSDP2"):
         planner.plan(model, budget_gb=1, example_inputs=x, grad_accumulation=True,
                      fsdp=True, world_size=2)
     assert applied(model) is None
@@ -157,8 +158,8 @@ def test_a_compiled_plan_for_accumulation_holds_in_a_compiled_loop():
 
 
 def test_holding_gradients_is_a_profile_transform_saved_with_the_profile(tmp_path):
-    """A profile transform: applied once (again is refused), kept through save and load, refused on a
-    per-rank profile."""
+    """A profile transform: applied once (again is refused), kept through save and load, refused on
+    an FSDP2 rank's profile."""
     from solvers.distributed import per_rank
 
     model, x = build("ln_linear_stack")
@@ -168,8 +169,8 @@ def test_holding_gradients_is_a_profile_transform_saved_with_the_profile(tmp_pat
         holding_grads(held)
     again = Profile.load(held.save(tmp_path / "held.json"))
     assert again.meta.grads_held and simulate(again).peak_bytes == simulate(held).peak_bytes
-    with pytest.raises(ProfileError, match="not modelled"):
-        holding_grads(per_rank(prof, world_size=2, sharding="ddp"))
+    with pytest.raises(ProfileError, match="FSDP2 is not modelled"):
+        holding_grads(per_rank(prof, world_size=2, sharding="fsdp"))
 
 
 def test_the_cli_plans_a_saved_profile_for_accumulation(tmp_path, capsys):

@@ -133,14 +133,18 @@ def _micro(ids: torch.Tensor, rank: int) -> dict:
     return {"input_ids": mb, "labels": mb, "use_cache": False}
 
 
-def _budget_between(model, inputs, sharding: str) -> int:
-    """A budget halfway between the smallest achievable per-rank peak and no checkpointing."""
+def _budget_between(model, inputs, sharding: str, accumulation: bool = False) -> int:
+    """A budget halfway between the smallest achievable per-rank peak and no checkpointing (of
+    a micro-batch after the first under gradient accumulation, with `accumulation`)."""
     import planner
+    from solvers.accumulation import holding_grads
     from solvers.distributed import per_rank
     from solvers.simulate import simulate
     from solvers.solve import smallest_peak
 
-    q = per_rank(planner.profile(model, inputs, repeats=1), world_size=WORLD, sharding=sharding)
+    local = planner.profile(model, inputs, repeats=1)
+    q = per_rank(holding_grads(local) if accumulation else local, world_size=WORLD,
+                 sharding=sharding)
     return (simulate(q).peak_bytes + smallest_peak(q)) // 2
 
 
@@ -152,12 +156,13 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
         import planner
 
         lora = sharding.endswith("+lora")
-        sharding = sharding.removesuffix("+lora")
+        accumulation = sharding.endswith("+accumulation")
+        sharding = sharding.removesuffix("+lora").removesuffix("+accumulation")
         model, inputs, ids = _llama_and_batches(lora)
         mb = _micro(inputs["input_ids"], rank)
         # One budget for every rank, as a user passes one: rank 0's (the smallest peak comes
         # from a time-limited solve, which two ranks sharing the CPU may end at different places)
-        box = [_budget_between(model, mb, sharding)]
+        box = [_budget_between(model, mb, sharding, accumulation)]
         dist.broadcast_object_list(box, src=0)
         budget = box[0]
         if sharding == "fsdp":
@@ -175,14 +180,22 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             trained = DDP(model)
-            p = planner.plan(trained, budget_bytes=budget, example_inputs=mb, repeats=1)
+            p = planner.plan(trained, budget_bytes=budget, example_inputs=mb, repeats=1,
+                             grad_accumulation=accumulation)
         assert p.profile.meta.sharding == sharding and p.profile.meta.world_size == WORLD
+        assert p.profile.meta.grads_held == accumulation
         assert p.schedule.regions, "the budget should need checkpointing"
-        m = p.measure(repeats=1)
+        m = p.measure(repeats=1)  # with accumulation: every gradient held, DDP synchronizing
         opt = torch.optim.SGD(trained.parameters(), lr=0.1)
         for b in ids:
             opt.zero_grad(set_to_none=True)
-            trained(**_micro(b, rank)).loss.backward()
+            if accumulation:  # each rank's micro-batch in two halves, the first under no_sync
+                quarter = WORLD * (b.shape[0] // WORLD // 2)
+                with trained.no_sync():
+                    (trained(**_micro(b[:quarter], rank)).loss / 2).backward()
+                (trained(**_micro(b[quarter:], rank)).loss / 2).backward()
+            else:
+                trained(**_micro(b, rank)).loss.backward()
             opt.step()
         state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
                  for k, v in model.state_dict().items()}
@@ -194,7 +207,7 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sharding", ["fsdp", "ddp", "fsdp+lora"])
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp", "fsdp+lora", "ddp+accumulation"])
 def test_per_rank_plan_holds_its_budget_on_every_rank(sharding):
     with tempfile.TemporaryDirectory() as out:
         _spawn(_per_rank_worker, _free_port(), out, sharding)
@@ -209,7 +222,12 @@ def test_per_rank_plan_holds_its_budget_on_every_rank(sharding):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for b in ids:
         opt.zero_grad(set_to_none=True)
-        loss = sum(model(**_micro(b, r)).loss for r in range(WORLD)) / WORLD
+        if sharding.endswith("+accumulation"):  # the halves the ranks accumulated
+            quarter = WORLD * (b.shape[0] // WORLD // 2)
+            loss = sum(model(**_micro(h, r)).loss for h in (b[:quarter], b[quarter:])
+                       for r in range(WORLD)) / (2 * WORLD)
+        else:
+            loss = sum(model(**_micro(b, r)).loss for r in range(WORLD)) / WORLD
         loss.backward()
         opt.step()
     for k, ref in model.state_dict().items():

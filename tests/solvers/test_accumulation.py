@@ -48,13 +48,21 @@ def test_every_solver_plans_the_step_with_gradients_held(gpt2):
     assert first.feasible and simulate(held, first.regions).peak_bytes > budget
 
 
-def test_refused_twice_and_on_a_per_rank_profile(gpt2, tmp_path):
+def test_refused_twice_and_under_fsdp_composed_with_ddp(gpt2, tmp_path):
     from solvers.distributed import per_rank
 
     held = holding_grads(gpt2)
     with pytest.raises(ProfileError, match="already"):
         holding_grads(held)
-    with pytest.raises(ProfileError, match="FSDP is not modelled"):
+    with pytest.raises(ProfileError, match="FSDP2 is not modelled"):
         holding_grads(per_rank(gpt2, world_size=2, sharding="fsdp"))
+    with pytest.raises(ProfileError, match="FSDP2 is not modelled"):
+        per_rank(held, world_size=2, sharding="fsdp")
+    # DDP: the held gradients beside its buckets, whichever transform comes first
+    a = per_rank(held, world_size=2, sharding="ddp")
+    b = holding_grads(per_rank(gpt2, world_size=2, sharding="ddp"))
+    assert a.fixed_bytes == b.fixed_bytes == held.fixed_bytes + gpt2.grad_bytes
+    assert simulate(a).peak_bytes == simulate(b).peak_bytes == simulate(held).peak_bytes \
+        + gpt2.grad_bytes
     again = Profile.load(held.save(tmp_path / "held.json.gz"))
     assert again.meta.grads_held and simulate(again).peak_bytes == simulate(held).peak_bytes
