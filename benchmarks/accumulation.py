@@ -66,21 +66,8 @@ def measured(name: str) -> str:
     import planner
     from benchmarks import cpu_sizes
     from planner.api import plan_from_profile
-    from planner.capture.record import default_loss
-    from planner.measurement import fixed_bytes, measure, peak_of
-    from tests.models import call
-
-    def loop_peak(model, x, micro_batches: int = 3) -> int:
-        model.zero_grad(set_to_none=True)
-        before = fixed_bytes(model, x)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                    profile_memory=True) as p:
-            for _ in range(micro_batches):
-                loss = default_loss(call(model, x))
-                loss.backward()
-                del loss
-        model.zero_grad(set_to_none=True)
-        return before + peak_of(p)
+    from planner.measurement import measure
+    from tests.models import accumulated_loop_peak
 
     torch.manual_seed(0)
     model, x = getattr(cpu_sizes, name)()
@@ -89,13 +76,13 @@ def measured(name: str) -> str:
     held = holding_grads(prof)
     first = measure(model, x, repeats=0).peak_bytes
     later = measure(model, x, repeats=0, grads_held=True).peak_bytes
-    looped = loop_peak(model, x)
+    looped = accumulated_loop_peak(model, x)
     budget = _budget(prof)
     cells = []
     for p in (prof, held):
         plan = plan_from_profile(model, p, budget_bytes=budget, method="auto")
         try:
-            cells.append((plan.predicted_peak_bytes, loop_peak(model, x),
+            cells.append((plan.predicted_peak_bytes, accumulated_loop_peak(model, x),
                           100 * plan.schedule.predicted_recompute_ms / prof.step_ms))
         finally:
             planner.remove(model)

@@ -410,3 +410,24 @@ def call(model: nn.Module, inputs):
     if isinstance(inputs, tuple):
         return model(*inputs)
     return model(inputs)
+
+
+def accumulated_loop_peak(model: nn.Module, inputs, loss_fn=None, micro_batches: int = 3) -> int:
+    """The peak of a training loop that accumulates gradients over `micro_batches` steps from
+    none: the running sum of the allocator's events under `torch.profiler`, plus the parameters,
+    buffers and inputs held before. It shares no code with `planner.measure`'s held gradients,
+    so it can check them."""
+    from planner.capture.record import default_loss
+    from planner.measurement import fixed_bytes, peak_of
+
+    loss_fn = loss_fn or default_loss
+    model.zero_grad(set_to_none=True)
+    held = fixed_bytes(model, inputs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        for _ in range(micro_batches):
+            loss = loss_fn(call(model, inputs))
+            loss.backward()
+            del loss
+    model.zero_grad(set_to_none=True)
+    return held + peak_of(prof)

@@ -13,16 +13,15 @@ import torch
 
 import planner
 from planner.api import plan_from_profile
-from planner.capture.record import default_loss
 from planner.inplace import applied
-from planner.measurement import fixed_bytes, measure, peak_of
+from planner.measurement import fixed_bytes, measure
 from planner.profiling import profile
 from solvers.accumulation import holding_grads
 from solvers.errors import CkptPlannerError, ProfileError
 from solvers.profile import Profile
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
-from tests.models import call
+from tests.models import accumulated_loop_peak
 from tests.planner.test_capture import build
 
 MODELS = ["gpt_eager", "hf_llama", "resnet_bn", "ln_linear_stack"]
@@ -36,22 +35,6 @@ def gpt():
     torch.manual_seed(0)
     model, x = gpt_eager(batch=4, seq=64, dim=64, heads=4, layers=3, vocab=128)
     return model.train(), x
-
-
-def loop_peak(model: torch.nn.Module, x, loss_fn=None, micro_batches: int = 3) -> int:
-    """The peak of a training loop that accumulates gradients over `micro_batches` steps, from
-    no gradients: the running sum of the allocator's events, plus what was held before."""
-    loss_fn = loss_fn or default_loss
-    model.zero_grad(set_to_none=True)
-    held = fixed_bytes(model, x)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                profile_memory=True) as prof:
-        for _ in range(micro_batches):
-            loss = loss_fn(call(model, x))
-            loss.backward()
-            del loss
-    model.zero_grad(set_to_none=True)
-    return held + peak_of(prof)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -88,18 +71,18 @@ def test_a_plan_for_accumulation_holds_in_a_loop_that_accumulates():
     the loop itself); the plan made for single steps fits its first micro-batch only."""
     model, x = gpt()
     first = measure(model, x, repeats=0).peak_bytes
-    looped = loop_peak(model, x)
+    looped = accumulated_loop_peak(model, x)
     assert looped > first  # the later micro-batches hold every gradient
     budget = first - (first - fixed_bytes(model, x)) // 4
     single = planner.plan(model, budget_bytes=budget, example_inputs=x, repeats=1)
     assert single.measure(repeats=0).peak_bytes <= budget
-    single_loop = loop_peak(model, x)
+    single_loop = accumulated_loop_peak(model, x)
     p = planner.plan(model, budget_bytes=budget, example_inputs=x, repeats=1,
                      grad_accumulation=True)
     try:
         assert p.profile.meta.grads_held and "gradient accumulation" in p.report()
         assert single_loop > budget  # the single-step plan does not hold for accumulation
-        accumulated = loop_peak(model, x)
+        accumulated = accumulated_loop_peak(model, x)
         assert accumulated <= budget
         assert abs(p.predicted_peak_bytes - accumulated) <= 0.01 * accumulated
         v = p.verify(repeats=1)
@@ -123,7 +106,7 @@ def test_lora_gradients_held_are_the_adapters_only():
     measured = measure(case.model, case.inputs, case.loss_fn, repeats=0,
                        grads_held=True).peak_bytes
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
-    looped = loop_peak(case.model, case.inputs, case.loss_fn)
+    looped = accumulated_loop_peak(case.model, case.inputs, case.loss_fn)
     assert abs(predicted - looped) <= 0.01 * looped, (predicted, looped)
 
 
@@ -145,13 +128,13 @@ def test_a_compiled_plan_for_accumulation_holds_in_a_compiled_loop():
     prof = holding_grads(profile(model, x, repeats=1))
     n, f = simulate(prof).peak_bytes, prof.fixed_bytes
     budget = int(f + 0.6 * (n - f))
-    assert loop_peak(torch.compile(model, backend="aot_eager"), x) > budget
+    assert accumulated_loop_peak(torch.compile(model, backend="aot_eager"), x) > budget
     torch._dynamo.reset()
     p = planner.plan(model, budget_bytes=budget, example_inputs=x, repeats=1,
                      compile="aot_eager", compile_memory_budgets=(1.0,), grad_accumulation=True)
     try:
         assert p.compiled_peak_bytes is not None and p.compiled_peak_bytes <= budget
-        assert loop_peak(torch.compile(model, backend=p.compile_backend), x) <= budget
+        assert accumulated_loop_peak(torch.compile(model, backend=p.compile_backend), x) <= budget
     finally:
         planner.remove(model)
         torch._dynamo.reset()
