@@ -68,16 +68,24 @@ class AppliedPlan:
     """What changed in the model since the plan was applied ("" while nothing did)."""
     warned: bool = False
     hook: Any = None
+    end_hook: Any = None
+    """The root's forward hook that ends the step's autocast check (`_forward_done`)."""
     largest: Any = None
     """A weak reference to the model's largest parameter, and its dtype when the plan was
     applied: `model.to(dtype)` / `.half()` change it in place, which no registration hook sees.
     (Its device may change: a plan made on one device for another is moved there to train.)"""
     largest_was: torch.dtype | None = None
+    flags: list[tuple[str, Any]] | None = None
+    """(path, weak reference) of each module with a ``gradient_checkpointing`` flag (HF layers,
+    which `gradient_checkpointing_enable()` and `TrainingArguments(gradient_checkpointing=True)`
+    turn on), found on the first step."""
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy (`copy.deepcopy`, `torch.save`) finds its own largest parameter on its first step.
+        # A copy (`copy.deepcopy`, `torch.save`) finds its own largest parameter and flagged
+        # modules on its first step.
         state = dict(self.__dict__)
         state["largest"] = None
+        state["flags"] = None
         return state
 
 
@@ -265,6 +273,8 @@ class _RegionRunner:
 
     def run(self, fn, *args: Any) -> Any:
         fn, args = _once_each(fn, args)
+        if not torch.compiler.is_compiling() and _AUTOCAST_DUE is not None:
+            _check_autocast(args)  # (in that order: dynamo never reads the global)
         if torch.compiler.is_compiling():
             extra = {} if self._compiled_context is None else \
                 {"context_fn": self._compiled_context}
@@ -518,6 +528,7 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
         plan.largest = weakref.ref(largest)
         plan.largest_was = largest.dtype
     plan.hook = model.register_forward_pre_hook(_warn_if_changed, with_kwargs=True)
+    plan.end_hook = model.register_forward_hook(_forward_done)
     model.__dict__[_ATTR] = plan
     _watch(model, plan)
     if schedule.regions:
@@ -623,6 +634,26 @@ def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
             "prediction no longer holds; re-plan (planner.plan(model, ...)) after converting "
             "the model"), stacklevel=2)
         return
+    if plan.flags is None:
+        plan.flags = [(path, weakref.ref(m)) for path, m in model.named_modules()
+                      if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
+    on = next((path for path, ref in plan.flags
+               if getattr(ref(), "gradient_checkpointing", False) is True), None)
+    if on is not None:
+        plan.warned = True
+        warnings.warn(PlanOutdatedWarning(
+            f"HF gradient checkpointing was turned on after planning (module "
+            f"{on or '(root)'}; TrainingArguments(gradient_checkpointing=True) and "
+            "model.gradient_checkpointing_enable() do this): every layer is now checkpointed on "
+            "top of the plan. It trains correctly, but recomputes what the plan keeps and the "
+            "plan's predictions no longer hold; turn it off (gradient_checkpointing=False, or "
+            "model.gradient_checkpointing_disable()): the plan places the checkpoints"),
+            stacklevel=2)
+        return
+    if "autocast" in plan.schedule.made_for:
+        global _AUTOCAST_DUE
+        _AUTOCAST_DUE = plan  # checked by the step's first region, inside forward, where an
+        # autocast a wrapper enters (accelerate's, HF Trainer's bf16=True) is already on
     if plan.schedule.made_for.get("input_shapes"):
         from planner.identity import larger_inputs
 
@@ -636,6 +667,53 @@ def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
                 f"this batch is larger than the one the plan was made for: {', '.join(larger)}; "
                 "the budget holds for batches no larger than the example: re-plan with the "
                 "largest batch you train with"), stacklevel=2)
+
+
+_AUTOCAST_DUE: AppliedPlan | None = None
+"""The plan whose step began (its root's forward pre-hook ran) and whose autocast the step's
+first region has yet to compare with the one it was planned under (`_check_autocast`)."""
+
+
+def _forward_done(model: torch.nn.Module, *_: Any) -> None:
+    """The root's forward returned: a check its regions did not make is not left for another
+    model's."""
+    global _AUTOCAST_DUE
+    if not torch.compiler.is_compiling() and _AUTOCAST_DUE is not None \
+            and _AUTOCAST_DUE is model.__dict__.get(_ATTR):
+        _AUTOCAST_DUE = None
+
+
+def _check_autocast(args: tuple[Any, ...]) -> None:
+    """Warn once if this step's autocast is not the one the plan was made for: activations of
+    another size than planned (smaller, so the plan recomputes more than needed, or larger, so
+    the peak can pass the budget)."""
+    global _AUTOCAST_DUE
+    plan, _AUTOCAST_DUE = _AUTOCAST_DUE, None
+    if plan is None or plan.warned:
+        return
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    now = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    was = plan.schedule.made_for.get("autocast") or ""
+    planned = getattr(torch, was) if was else None
+    if (now and now.itemsize) == (planned and planned.itemsize):
+        return
+    plan.warned = True
+    if planned is None:
+        what = (f"this step runs under torch.autocast({now}), and the plan was made for steps "
+                "without autocast: it trains correctly, but its activations are smaller than "
+                "planned for, so it recomputes more than it needs to; re-plan under the same "
+                f"autocast: planner.plan(model, ..., autocast={now}) (HF Trainer's bf16=True "
+                "and accelerate's mixed precision run forward under autocast)")
+    elif now is None:
+        what = (f"this step runs without torch.autocast, and the plan was made for steps under "
+                f"torch.autocast({planned}): its activations are larger than planned for, so "
+                "the step's peak can pass the budget; run forward under torch.autocast("
+                f"{device!r}, dtype={planned}), or re-plan without autocast")
+    else:
+        what = (f"this step runs under torch.autocast({now}), and the plan was made under "
+                f"torch.autocast({planned}): the plan's peak memory prediction no longer holds; "
+                f"re-plan with planner.plan(model, ..., autocast={now})")
+    warnings.warn(PlanOutdatedWarning(what), stacklevel=3)
 
 
 @contextlib.contextmanager
@@ -654,8 +732,12 @@ def remove(model: torch.nn.Module) -> torch.nn.Module:
     plan = model.__dict__.pop(_ATTR, None)
     if plan is None:
         return model
-    if plan.hook is not None:
-        plan.hook.remove()
+    for hook in (plan.hook, plan.end_hook):
+        if hook is not None:
+            hook.remove()
+    global _AUTOCAST_DUE
+    if _AUTOCAST_DUE is plan:
+        _AUTOCAST_DUE = None
     _unwatch(model)
     for wrapper in plan.wrapped.values():
         module = wrapper.module

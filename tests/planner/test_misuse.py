@@ -382,6 +382,58 @@ def test_a_model_converted_to_another_dtype_after_planning_warns_once():
         twin(x).sum().backward()
 
 
+def test_hf_gradient_checkpointing_turned_on_after_planning_warns_once():
+    # what TrainingArguments(gradient_checkpointing=True) does to a model it is given
+    model, x = hf_gpt2(batch=2, seq=16, layers=2, n_embd=32, n_head=2, vocab=64)
+    planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    twin = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanOutdatedWarning)
+        model(**x).loss.backward()  # as planned: no warning
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        model.gradient_checkpointing_enable()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(**x).loss.backward()
+        model(**x).loss.backward()
+    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    assert len(msgs) == 1 and "gradient checkpointing was turned on after planning" in msgs[0]
+    assert "gradient_checkpointing_disable()" in msgs[0]
+    with warnings.catch_warnings():  # the copy has flags of its own, still off
+        warnings.simplefilter("error", PlanOutdatedWarning)
+        twin(**x).loss.backward()
+
+
+def test_a_step_under_another_autocast_than_planned_warns_once():
+    model, x = _gpt()
+    planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().sum()
+            loss.backward()
+    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    assert len(msgs) == 1 and "made for steps without autocast" in msgs[0]
+    assert "autocast=torch.bfloat16" in msgs[0]
+
+    model, x = _gpt()
+    planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1,
+                 autocast=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanOutdatedWarning)
+        with torch.autocast("cpu", dtype=torch.float16):  # another dtype of the same size
+            loss = model(x).float().sum()
+        loss.backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(x).sum().backward()
+        model(x).sum().backward()
+    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    assert len(msgs) == 1 and "can pass the budget" in msgs[0]
+
+
 def test_a_reloaded_weight_of_the_same_shape_does_not_warn():
     model, x = _gpt()
     planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
