@@ -692,7 +692,10 @@ def _check_autocast(args: tuple[Any, ...]) -> None:
     if plan is None or plan.warned:
         return
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-    now = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    try:
+        now = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    except RuntimeError:  # a device type autocast does not know (meta): nothing to compare
+        return
     was = plan.schedule.made_for.get("autocast") or ""
     planned = getattr(torch, was) if was else None
     if (now and now.itemsize) == (planned and planned.itemsize):

@@ -434,6 +434,16 @@ def test_a_step_under_another_autocast_than_planned_warns_once():
     assert len(msgs) == 1 and "can pass the budget" in msgs[0]
 
 
+def test_a_planned_model_runs_on_the_meta_device():
+    # shape inference on a copy moved to meta: a device autocast does not know
+    model, x = _gpt()
+    planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    twin = copy.deepcopy(model).to("meta")
+    out = twin(x.to("meta"))
+    out.sum().backward()
+    assert out.device.type == "meta" and out.shape == (2, 16, 64)
+
+
 def test_a_reloaded_weight_of_the_same_shape_does_not_warn():
     model, x = _gpt()
     planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
