@@ -697,7 +697,9 @@ def _check_autocast(args: tuple[Any, ...]) -> None:
     except RuntimeError:  # a device type autocast does not know (meta): nothing to compare
         return
     was = plan.schedule.made_for.get("autocast") or ""
-    planned = getattr(torch, was) if was else None
+    planned = getattr(torch, was, None) if was else None
+    if was and not isinstance(planned, torch.dtype):
+        return  # a schedule file naming no dtype torch has: nothing to compare with
     if (now and now.itemsize) == (planned and planned.itemsize):
         return
     plan.warned = True
