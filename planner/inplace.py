@@ -273,13 +273,13 @@ class _RegionRunner:
 
     def run(self, fn, *args: Any) -> Any:
         fn, args = _once_each(fn, args)
-        if not torch.compiler.is_compiling() and _AUTOCAST_DUE is not None:
-            _check_autocast(args)  # (in that order: dynamo never reads the global)
         if torch.compiler.is_compiling():
             extra = {} if self._compiled_context is None else \
                 {"context_fn": self._compiled_context}
             return checkpoint(fn, *args, use_reentrant=False,
                               preserve_rng_state=self.region.preserve_rng, **extra)
+        if _AUTOCAST_DUE is not None:  # eager only: dynamo never reads the global
+            _check_autocast(args)
         return checkpoint(fn, *args, use_reentrant=False,
                           preserve_rng_state=self.region.preserve_rng,
                           context_fn=self._eager_context)
