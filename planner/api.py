@@ -33,6 +33,7 @@ import torch
 
 from planner import compiled, inplace
 from planner.capture.record import default_loss, seeded, seeds_running_all, split_inputs
+from planner.fsdp import fsdp_cast, mixed_precision
 from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
@@ -146,6 +147,11 @@ class Plan:
     local_profile: Profile | None = None
     """Under data parallelism (`profile` is one rank's: `solvers.distributed.per_rank`), the
     profile of the step as this process runs it before DDP or FSDP wraps the model."""
+    mp_policy: Any = None
+    """FSDP2's `MixedPrecisionPolicy` the plan was made for (``plan(..., mp_policy=...)``), or
+    None. Until `fully_shard` shards the model, `verify` and `measure` run the step with its
+    casts (`planner.fsdp.fsdp_cast`), the step the local profile recorded."""
+    fsdp_units: tuple[str, ...] = ()
     _baselines: dict[str, Schedule] = field(default_factory=dict, repr=False)
 
     @property
@@ -200,7 +206,11 @@ class Plan:
             f"{p.step_ms:.2f} ms ({p.meta.mode}, {p.meta.device_name})",
             *([f"one rank of {p.meta.world_size} under "
                + (f"FSDP2 ({len(p.meta.shard_units)} units besides the root, parameters, "
-                  "gradients and optimizer state sharded)" if p.meta.sharding == "fsdp"
+                  "gradients and optimizer state sharded"
+                  + (", mixed precision: computing in {param_dtype}, stored in {orig_dtype}, "
+                     "reduced in {reduce_dtype}".format(**p.meta.fsdp_mixed_precision)
+                     if p.meta.fsdp_mixed_precision else "") + ")"
+                  if p.meta.sharding == "fsdp"
                   else "DDP (full replicas plus gradient buckets)")
                + "; peaks are per rank"] if p.meta.sharding else []),
             *([f"gradient accumulation: every gradient held when the step starts "
@@ -290,7 +300,8 @@ class Plan:
         def unplanned():
             remove(planned)
             try:
-                yield model
+                with self._as_sharded():
+                    yield model
             finally:
                 apply_schedule(planned, self.schedule)
 
@@ -298,8 +309,14 @@ class Plan:
         # layer the profile ran: the draw the prediction is for.
         draw = _profiled_draw(self.profile, planned, self.example_inputs, self.loss_fn,
                               self.autocast)
+
+        @contextlib.contextmanager
+        def with_plan():
+            with self._as_sharded():
+                yield model
+
         with seeded(draw) if draw is not None else contextlib.nullcontext():
-            return verify_against(unplanned, contextlib.nullcontext(model), self.example_inputs,
+            return verify_against(unplanned, with_plan(), self.example_inputs,
                                   self.loss_fn, self.schedule, self.budget_bytes, rtol=rtol,
                                   atol=atol, repeats=repeats, autocast=self.autocast,
                                   predicted_peak_bytes=self.predicted_peak_bytes_now(),
@@ -324,11 +341,19 @@ class Plan:
         once the model is wrapped by DDP or sharded by `fully_shard`: compare with
         `predicted_peak_bytes_now`). With the optimizer's step when the plan was made with one,
         as its prediction, and with every gradient held when the step starts where the plan was
-        made for gradient accumulation; the model and optimizer are left as they were."""
-        return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats,
-                       autocast=self.autocast, optimizer=self.optimizer,
-                       held_bytes=self.profile.held_bytes,
-                       grads_held=self.profile.meta.grads_held)
+        made for gradient accumulation; the model and optimizer are left as they were. A plan
+        for FSDP2's mixed precision runs with its casts until the model is sharded."""
+        with self._as_sharded():
+            return measure(self.module, self.example_inputs, self.loss_fn, repeats=repeats,
+                           autocast=self.autocast, optimizer=self.optimizer,
+                           held_bytes=self.profile.held_bytes,
+                           grads_held=self.profile.meta.grads_held)
+
+    def _as_sharded(self) -> contextlib.AbstractContextManager[None]:
+        """The casts FSDP2 will make, while the model is not sharded yet (then FSDP2 makes them)."""
+        if self.mp_policy is None or _fsdp_sharded(self.module):
+            return contextlib.nullcontext()
+        return fsdp_cast(unwrap(self.module), self.mp_policy, self.fsdp_units)
 
 
 def region_label(r: Region) -> str:
@@ -714,6 +739,7 @@ def plan(
     world_size: int | None = None,
     fsdp: bool = False,
     fsdp_units: Sequence[str] | None = None,
+    mp_policy: Any = None,
     trace_forwards: bool = True,
     grad_accumulation: bool = False,
     progress: bool = False,
@@ -759,6 +785,10 @@ def plan(
             than one rank: DDP (full replicas plus its gradient buckets).
         fsdp_units: the modules you will `fully_shard` besides the root (default: each repeated
             block, e.g. every transformer layer); a region never spans two of them.
+        mp_policy: with `fsdp`, the `MixedPrecisionPolicy` you will pass `fully_shard` (e.g.
+            ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``, torchtitan's): the step
+            is profiled as FSDP2 runs it, in ``param_dtype`` (`planner.fsdp`), and shards,
+            sharded gradients and optimizer state are counted in the parameters' own dtype.
         trace_forwards: let regions start inside a module's forward, which is traced with
             `torch.fx` for that (`planner.stages`); False keeps every region a module call (or a
             run of an `nn.Sequential`'s children) and runs only your own forwards.
@@ -794,6 +824,21 @@ def plan(
             "the model is in eval mode; checkpointing is for training: call model.train() first"
         )
     world, sharding = _data_parallel(given, world_size, fsdp, fsdp_units)
+    if mp_policy is not None and sharding != "fsdp":
+        raise CkptPlannerError(
+            "mp_policy is FSDP2's mixed precision; pass fsdp=True with it (for one process or "
+            "DDP, train under torch.autocast and plan with autocast=torch.bfloat16)")
+    if mp_policy is not None and compile is not None:
+        raise CkptPlannerError(
+            "compile= with mp_policy is not supported yet (the compiled copies are not measured "
+            "under FSDP2's casts): plan with fsdp=True, mp_policy=... without compile=, then "
+            "compile; check the compiled step's peak yourself")
+    mp = mixed_precision(model, mp_policy) if mp_policy is not None else {}
+    units = tuple(fsdp_units or ())
+
+    def as_sharded():
+        """Where the step runs in this process: as FSDP2 will run it (its casts)."""
+        return fsdp_cast(model, mp_policy, units) if mp else contextlib.nullcontext()
     if grad_accumulation and sharding == "fsdp":
         raise CkptPlannerError(
             "grad_accumulation=True is not modelled under FSDP2 yet (one process and DDP are): "
@@ -802,7 +847,8 @@ def plan(
     t0 = time.perf_counter()
     local = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                     repeats=repeats, autocast=autocast, trace_forwards=trace_forwards,
-                    progress=progress)
+                    progress=progress, mp_policy=mp_policy if mp else None,
+                    fsdp_units=units)
     if grad_accumulation:  # the step of this process; DDP's buckets are added after (per_rank)
         local = holding_grads(local)
         if local.meta.measured_peak_bytes is not None:  # the report's check, on this step
@@ -856,8 +902,9 @@ def plan(
         # below the budget.
         margin = 0
         for _ in range(MARGIN_ROUNDS):
-            peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer,
-                           _must_run(prof), prof.held_bytes, prof.meta.grads_held)
+            with as_sharded():
+                peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast,
+                               optimizer, _must_run(prof), prof.held_bytes, prof.meta.grads_held)
             need = (p.rank_offset_bytes() + max(peaks)
                     + (max(peaks) - min(peaks) if prof.meta.data_dependent_ops else 0)
                     - (budget - SLACK_BYTES))
@@ -872,6 +919,7 @@ def plan(
         p = _agree(model, p)
     p.module, p.loss_fn, p.example_inputs, p.optimizer = given, loss_fn, example_inputs, optimizer
     p.autocast = autocast
+    p.mp_policy, p.fsdp_units = (mp_policy, units) if mp else (None, ())
     p.seconds = {"profile": time.perf_counter() - t0, **p.seconds}
     return p
 

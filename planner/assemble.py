@@ -192,6 +192,7 @@ def to_profile(
                 mutates_buffer=r.mutates_buffer,
                 releases=tuple(sorted(r.releases)),
                 no_grad_storages=tuple(r.no_grad_storages),
+                rows=rec.rows.get(len(nodes), 0),
             )
         )
     blockers = call_blockers(rec)

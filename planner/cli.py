@@ -67,15 +67,30 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         print(f"ckpt-planner profile: {e}", file=sys.stderr)
         return 2
     from planner.profiling import profile  # imports torch
+    from solvers.errors import CkptPlannerError
 
-    prof = profile(
-        model,
-        example_inputs,
-        mode=args.mode,
-        device=args.device,
-        repeats=args.repeats,
-        progress=True,
-    )
+    mp_policy = None
+    if args.fsdp_param_dtype or args.fsdp_reduce_dtype:
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, args.fsdp_param_dtype) if args.fsdp_param_dtype else None,
+            reduce_dtype=getattr(torch, args.fsdp_reduce_dtype) if args.fsdp_reduce_dtype
+            else None)
+    try:
+        prof = profile(
+            model,
+            example_inputs,
+            mode=args.mode,
+            device=args.device,
+            repeats=args.repeats,
+            progress=True,
+            mp_policy=mp_policy,
+        )
+    except CkptPlannerError as e:
+        print(f"ckpt-planner profile: {e}", file=sys.stderr)
+        return 2
     path = prof.save(args.output)
     n_fwd = sum(n.phase == "forward" for n in prof.nodes)
     print(
@@ -106,7 +121,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
         f"model:          {m.model_class or '(unknown)'}",
         f"device:         {m.device}" + (f" ({m.device_name})" if m.device_name else ""),
         f"mode:           {m.mode}",
-        f"dtype:          {m.dtype}",
+        f"dtype:          {m.dtype}" + (
+            " (recorded for FSDP2 mixed precision: parameters cast from {orig_dtype} to "
+            "{param_dtype}, gradients reduced in {reduce_dtype})".format(**m.fsdp_mixed_precision)
+            if m.fsdp_mixed_precision else ""),
         f"torch:          {m.torch_version or '(unknown)'}",
         f"inputs:         {shapes}",
         "nodes:          "
@@ -168,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default=None, help="device to run on or estimate for (e.g. h100)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per op (median)")
+    dtypes = ("float32", "bfloat16", "float16")
+    p.add_argument("--fsdp-param-dtype", choices=dtypes, default=None,
+                   help="FSDP2 MixedPrecisionPolicy.param_dtype you will shard with: the step is "
+                        "recorded with parameters and inputs cast to it (then plan with --fsdp)")
+    p.add_argument("--fsdp-reduce-dtype", choices=dtypes, default=None,
+                   help="FSDP2 MixedPrecisionPolicy.reduce_dtype (default: the param dtype)")
     p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("show", help="summarise a saved profile")

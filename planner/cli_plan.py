@@ -174,7 +174,10 @@ def _per_rank(p: Profile, args: argparse.Namespace) -> Profile:
     units = [u.strip() for u in args.fsdp_units.split(",") if u.strip()] \
         if args.fsdp_units else None
     q = per_rank(p, world_size=world, sharding="fsdp" if args.fsdp else "ddp", units=units)
+    mp = q.meta.fsdp_mixed_precision
     what = (f"FSDP2 over {world} ranks, {len(q.meta.shard_units)} units besides the root"
+            + (f", computing in {mp['param_dtype']}, stored in {mp['orig_dtype']}, reduced in "
+               f"{mp['reduce_dtype']}" if mp else "")
             if args.fsdp else f"DDP over {world} ranks, gradient buckets "
             f"{format_bytes(p.grad_bytes)}")
     print(f"per rank: {what}; fixed memory {format_bytes(q.fixed_bytes)} "
@@ -187,6 +190,11 @@ def run(args: argparse.Namespace) -> int:
         p = Profile.load(args.profile)
     except ProfileError as e:
         print(f"ckpt-planner plan: {e}", file=sys.stderr)
+        return 2
+    if p.meta.fsdp_mixed_precision and not p.meta.sharding and not args.fsdp:
+        print("ckpt-planner plan: this profile was recorded for FSDP2's mixed precision "
+              f"(parameters cast to {p.meta.fsdp_mixed_precision['param_dtype']}); plan it "
+              "for the sharded run: add --fsdp --world-size N", file=sys.stderr)
         return 2
     if args.world_size is not None or args.fsdp or args.fsdp_units:
         try:

@@ -32,6 +32,9 @@ def made_for(model: torch.nn.Module, profile: Profile) -> dict[str, Any]:
         "dtype": profile.meta.dtype,
         "autocast": profile.meta.autocast,
         "torch": profile.meta.torch_version,
+        # what FSDP2 computes in ("": the parameters' dtype), for the run-time check
+        **({"fsdp_param_dtype": profile.meta.fsdp_mixed_precision.get("param_dtype", "")}
+           if profile.meta.sharding == "fsdp" else {}),
     }
 
 

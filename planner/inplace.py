@@ -626,7 +626,8 @@ def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
     if plan.largest is None and plan.largest_was is not None:
         plan.largest = weakref.ref(max(model.parameters(), key=lambda p: p.numel()))
     largest = plan.largest() if plan.largest is not None else None
-    if largest is not None and largest.dtype != plan.largest_was:
+    if largest is not None and largest.dtype != plan.largest_was and str(largest.dtype) != \
+            "torch." + plan.schedule.made_for.get("fsdp_param_dtype", "-"):  # FSDP2's casts
         plan.warned = True
         warnings.warn(PlanOutdatedWarning(
             f"the model's parameters were converted to {largest.dtype} after planning (planned "
@@ -650,6 +651,8 @@ def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
             "model.gradient_checkpointing_disable()): the plan places the checkpoints"),
             stacklevel=2)
         return
+    if "fsdp_param_dtype" in plan.schedule.made_for and _fsdp_mismatch(model, plan):
+        return
     if "autocast" in plan.schedule.made_for:
         global _AUTOCAST_DUE
         _AUTOCAST_DUE = plan  # checked by the step's first region, inside forward, where an
@@ -667,6 +670,37 @@ def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
                 f"this batch is larger than the one the plan was made for: {', '.join(larger)}; "
                 "the budget holds for batches no larger than the example: re-plan with the "
                 "largest batch you train with"), stacklevel=2)
+
+
+def _fsdp_mismatch(model: torch.nn.Module, plan: AppliedPlan) -> bool:
+    """Warn (once) and say so if `fully_shard` sharded the model with another mixed precision
+    than the plan was made for (`plan(..., fsdp=True, mp_policy=...)`): its activations are then
+    of another size than planned."""
+    state = getattr(model, "_get_fsdp_state", None)
+    policy = getattr(state(), "_mp_policy", None) if callable(state) else None
+    if policy is None:  # not sharded (yet), or an FSDP2 that keeps its policy elsewhere
+        return False
+    own = plan.largest_was
+    if own is None:
+        return False
+    d = policy.param_dtype
+    now = "" if d is None or d == own else str(d).removeprefix("torch.")
+    was = plan.schedule.made_for["fsdp_param_dtype"]
+    planned_dtype = getattr(torch, was, None) if was else own
+    if not isinstance(planned_dtype, torch.dtype) or (d or own).itemsize == planned_dtype.itemsize:
+        return False  # the same activation sizes (or a schedule file naming no torch dtype)
+    plan.warned = True
+    planned = f"MixedPrecisionPolicy(param_dtype=torch.{was})" if was else "no mixed precision"
+    sharded = f"MixedPrecisionPolicy(param_dtype=torch.{now})" if now else "no mixed precision"
+    smaller = (d or own).itemsize < planned_dtype.itemsize
+    warnings.warn(PlanOutdatedWarning(
+        f"the model was sharded by fully_shard with {sharded}, and the plan was made for "
+        f"{planned}: its activations are {'smaller' if smaller else 'larger'} than planned "
+        "for, so " + ("it recomputes more than it needs to" if smaller else
+                      "the step's peak can pass the budget")
+        + "; plan with planner.plan(model, ..., fsdp=True, mp_policy=<the policy you pass "
+        "fully_shard>) before sharding"), stacklevel=3)
+    return True
 
 
 _AUTOCAST_DUE: AppliedPlan | None = None

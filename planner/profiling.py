@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from planner.capture.record import (
     split_inputs,
 )
 from planner.devices import DeviceSpec, get_device
+from planner.fsdp import fsdp_cast, mixed_precision
 from planner.measurement import measure
 from solvers.errors import CkptPlannerError
 from solvers.profile import Profile
@@ -177,6 +178,8 @@ def profile(
     autocast: torch.dtype | None = None,
     trace_forwards: bool = True,
     progress: bool = False,
+    mp_policy: Any = None,
+    fsdp_units: Sequence[str] = (),
 ) -> Profile:
     """Profile one training step of `model` on `example_inputs`.
 
@@ -202,6 +205,12 @@ def profile(
             step) so that regions can start inside it (`planner.stages`); False: regions are
             module calls and runs of `nn.Sequential` children only.
         progress: print what it is doing to stderr.
+        mp_policy: the FSDP2 `MixedPrecisionPolicy` you will `fully_shard` with: the step is
+            recorded as FSDP2 runs it (parameters and the inputs of the root and of
+            `fsdp_units` cast to its ``param_dtype``, `planner.fsdp`), and the profile records
+            the policy for `solvers.distributed.per_rank`.
+        fsdp_units: with `mp_policy`, the modules you will `fully_shard` besides the root, whose
+            floating inputs FSDP2 casts too.
     """
     if mode not in ("measure", "estimate"):
         raise CkptPlannerError(f"mode={mode!r}: expected 'measure' or 'estimate'")
@@ -213,14 +222,20 @@ def profile(
     if loss_fn is not None and not callable(loss_fn):
         raise CkptPlannerError(f"loss_fn is a {type(loss_fn).__name__}; pass a function of the "
                                "model's output that returns a scalar tensor")
+    mp = mixed_precision(model, mp_policy) if mp_policy is not None else {}
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):  # the user's RNG streams do not move
+    # the user's RNG streams do not move
+    with torch.random.fork_rng(devices=devices), \
+            fsdp_cast(model, mp_policy, fsdp_units) if mp else contextlib.nullcontext():
         prof = _profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, mode=mode,
                         device=device, repeats=repeats, autocast=autocast,
                         trace_forwards=trace_forwards, progress=progress)
     if autocast is not None:
         prof = dataclasses.replace(prof, meta=dataclasses.replace(
             prof.meta, autocast=str(autocast).removeprefix("torch.")))
+    if mp:
+        prof = dataclasses.replace(prof, meta=dataclasses.replace(
+            prof.meta, fsdp_mixed_precision=mp))
     return prof
 
 

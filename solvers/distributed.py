@@ -16,6 +16,14 @@ memory measured on 2 gloo ranks in `tests/planner/test_distributed.py`):
   it again (or takes the buffer prefetched for it) and prefetches the unit that runs backward next;
   when the unit's backward is done its unsharded parameters are freed and its full gradients
   reduce-scattered into gradients of 1/N, the reduce-scatter input living until the next unit's.
+  Under a `MixedPrecisionPolicy` (recorded in `ProfileMeta.fsdp_mixed_precision`: the step ran
+  with parameters and inputs cast to ``param_dtype``) the all-gathered parameters and unsharded
+  gradients are in ``param_dtype``, as recorded; the shards, sharded gradients and optimizer
+  state in the parameters' own ``orig_dtype``; the reduce-scatter input and output in
+  ``reduce_dtype`` (its output cast to ``orig_dtype`` where they differ).
+  FSDP2 shards each parameter along its first dimension, padded to a multiple of N rows
+  (`Node.rows`): a parameter of one row (a ViT's class token) is held whole on every rank, and the
+  all-gathered and reduce-scattered buffers carry the padding too.
 
 `per_rank` writes these events into the profile as nodes (ops named ``fsdp.*``, taking no time,
 belonging to no module), so that the simulator and every solver price them like any other
@@ -32,7 +40,14 @@ import math
 from solvers.accumulation import refuse_fsdp
 from solvers.chain import blocks
 from solvers.errors import ProfileError
-from solvers.profile import COLLECTIVE_PREFIX, FIXED_PHASES, ModuleCall, Node, Profile
+from solvers.profile import (
+    COLLECTIVE_PREFIX,
+    DTYPE_BYTES,
+    FIXED_PHASES,
+    ModuleCall,
+    Node,
+    Profile,
+)
 
 __all__ = ["SHARDINGS", "default_units", "per_rank"]
 
@@ -64,6 +79,11 @@ def per_rank(profile: Profile, *, world_size: int, sharding: str,
             f"{profile.meta.sharding}; start from the single-process profile"
         )
     if sharding == "ddp":
+        if profile.meta.fsdp_mixed_precision:
+            raise ProfileError(
+                "this profile was recorded for FSDP2's mixed precision (parameters cast to "
+                f"{profile.meta.fsdp_mixed_precision['param_dtype']}); DDP does not cast them: "
+                "profile again without mp_policy (or with torch.autocast, as DDP trains)")
         return _ddp(profile, world_size)
     refuse_fsdp(profile)
     if profile.meta.capture != "run":
@@ -89,6 +109,15 @@ def _ddp(p: Profile, world: int) -> Profile:
 
 def _shard(nbytes: int, world: int) -> int:
     return math.ceil(nbytes / world)
+
+
+def _padded(nbytes: int, rows: int, world: int) -> int:
+    """Bytes of a tensor of `rows` rows padded, as FSDP2 pads it, to a multiple of `world` rows
+    (`torch.chunk` along dim 0: each rank's shard is ceil(rows / world) rows); as is where the
+    rows are unknown."""
+    if rows <= 0 or nbytes % rows:
+        return nbytes
+    return math.ceil(rows / world) * world * (nbytes // rows)
 
 
 def _check_units(p: Profile, units: list[str]) -> list[tuple[int, int, str]]:
@@ -125,6 +154,11 @@ def _check_units(p: Profile, units: list[str]) -> list[tuple[int, int, str]]:
 def _fsdp(p: Profile, world: int, units: list[str]) -> Profile:
     spans = _check_units(p, units)
     order = [u for _, _, u in spans]
+    # Mixed precision: the step ran in param_dtype (q bytes an element); shards, sharded
+    # gradients and optimizer state are in orig_dtype (o), the reduce-scatter in reduce_dtype (r).
+    mp = p.meta.fsdp_mixed_precision
+    q, o, r = (DTYPE_BYTES[mp[k]] for k in ("param_dtype", "orig_dtype", "reduce_dtype")) \
+        if mp else (1, 1, 1)
     starts = [a for a, _, _ in spans]
     nodes = p.nodes
     sizes = list(p.storage_bytes)
@@ -145,16 +179,21 @@ def _fsdp(p: Profile, world: int, units: list[str]) -> Profile:
         parts = n.name.split(".")
         owner = next((".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1)
                       if ".".join(parts[:k]) in unit_set), "")
-        param_bytes[owner] += sizes[n.storage]
-        sizes[n.storage] = _shard(sizes[n.storage], world)
+        param_bytes[owner] += _padded(sizes[n.storage], n.rows, world)
+        sizes[n.storage] = _shard(_padded(sizes[n.storage] * o // q, n.rows, world), world)
 
     # Gradients: a parameter's gradient belongs to the unit whose op it is the gradient of.
+    # FSDP2 reduce-scatters them padded as their parameters are.
     grad_storages: dict[str, list[int]] = {u: [] for u in param_bytes}
+    grad_rows: dict[int, int] = {}
     for name in p.grads:
         n = nodes[p.index(name)]
         owner = unit_of_node(p.index(n.grad_of)) if n.grad_of is not None else ""
         grad_storages[owner] += [n.storage] if n.storage is not None else list(n.new_storages)
-    grad_bytes = {u: sum(sizes[s] for s in set(ss)) for u, ss in grad_storages.items()}
+        if n.storage is not None:
+            grad_rows[n.storage] = n.rows
+    grad_bytes = {u: sum(_padded(sizes[s], grad_rows.get(s, 0), world) for s in set(ss))
+                  for u, ss in grad_storages.items()}
 
     # Backward nodes of each unit: the ops its autograd nodes ran.
     bw_first: dict[str, int] = {}
@@ -206,11 +245,17 @@ def _fsdp(p: Profile, world: int, units: list[str]) -> Profile:
         emit(f"fsdp.reshard({tag})", "backward", release=tuple(rel))
         rs_held = None
         if grad_bytes[u]:
-            rs_in = storage(grad_bytes[u])
+            rs_in = storage(grad_bytes[u] * r // q)
             emit(f"fsdp.reduce_scatter({tag})", "backward", alloc=(rs_in,),
                  release=tuple(sorted(set(grad_storages[u]))))
-            emit(f"fsdp.sharded_grads({tag})", "backward",
-                 alloc=(storage(_shard(grad_bytes[u], world)),))
+            if r != o:  # the reduced shard, in reduce_dtype, is cast to orig_dtype
+                reduced = storage(_shard(grad_bytes[u] * r // q, world))
+                emit(f"fsdp.reduce_output({tag})", "backward", alloc=(reduced,))
+                emit(f"fsdp.sharded_grads({tag})", "backward",
+                     alloc=(storage(_shard(grad_bytes[u] * o // q, world)),), release=(reduced,))
+            else:
+                emit(f"fsdp.sharded_grads({tag})", "backward",
+                     alloc=(storage(_shard(grad_bytes[u] * o // q, world)),))
             new_grads.append(out[-1].name)
             rs_held = rs_in
 
@@ -283,9 +328,10 @@ def _fsdp(p: Profile, world: int, units: list[str]) -> Profile:
         model_outputs=p.model_outputs,
         loss=p.loss,
         grads=tuple(new_grads),
-        grad_bytes=sum(_shard(b, world) for b in grad_bytes.values() if b),
-        optimizer_state_bytes=_shard(p.optimizer_state_bytes, world) if trainable else 0,
-        optimizer_step_bytes=_shard(p.optimizer_step_bytes, world),
+        grad_bytes=sum(_shard(b * o // q, world) for b in grad_bytes.values() if b),
+        optimizer_state_bytes=_shard(p.optimizer_state_bytes * o // q, world) if trainable
+        else 0,
+        optimizer_step_bytes=_shard(p.optimizer_step_bytes * o // q, world),
         calls=tuple(calls),
         meta=dataclasses.replace(p.meta, world_size=world, sharding="fsdp", shard_units=order),
     )

@@ -33,6 +33,7 @@ from solvers.errors import ProfileError
 
 __all__ = [
     "COLLECTIVE_PREFIX",
+    "DTYPE_BYTES",
     "FIXED_PHASES",
     "PHASES",
     "SCHEMA",
@@ -55,6 +56,9 @@ offline with node-range regions."""
 # the model's output into the scalar loss; "backward" nodes are what autograd ran.
 PHASES = ("param", "buffer", "input", "forward", "loss", "backward")
 FIXED_PHASES = frozenset({"param", "buffer", "input"})
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the floating dtypes a profile's mixed-precision fields name."""
 
 COLLECTIVE_PREFIX = "fsdp."
 """Ops of the nodes `solvers.distributed.per_rank` adds for FSDP2's all-gathers, reshards and
@@ -108,6 +112,10 @@ class Node:
     """Storages whose last reference held by the model's code (not by autograd) died right after
     this node ran. A storage no node releases dies after its last reader."""
     no_grad_storages: tuple[int, ...] = ()
+    rows: int = 0
+    """Parameters, and the backward nodes holding their gradients (`Profile.grads`): the size of
+    the tensor's first dimension, along which FSDP2 shards it, padding it to a multiple of the
+    ranks (`solvers.distributed.per_rank`); 0 where unknown or a scalar."""
     """Forward nodes: storages of `new_storages` holding integer or boolean outputs (`topk`'s
     indices), which have no `grad_fn`: they do not keep this node's autograd node alive."""
 
@@ -201,6 +209,13 @@ class ProfileMeta:
     in flight all-gathered), or "" for a single process."""
     shard_units: list[str] = field(default_factory=list)
     """With ``fsdp``: the modules `fully_shard` is applied to besides the root, in forward order."""
+    fsdp_mixed_precision: dict[str, str] = field(default_factory=dict)
+    """FSDP2's `MixedPrecisionPolicy` the step was recorded for ({} for none): ``param_dtype``,
+    what the parameters (and floating inputs) were cast to for the recorded step, as FSDP2
+    all-gathers them; ``orig_dtype``, what they are stored, sharded and stepped in; and
+    ``reduce_dtype``, what gradients are reduce-scattered in. Dtype names as in `DTYPE_BYTES`.
+    `solvers.distributed.per_rank` sizes the shards, sharded gradients and optimizer state in
+    ``orig_dtype`` and the reduce-scatter in ``reduce_dtype``."""
     grads_held: bool = False
     """Every trainable parameter's gradient is held when the step starts (a micro-batch after the
     first under gradient accumulation: `solvers.accumulation.holding_grads`); False for a step
@@ -506,6 +521,13 @@ def _validate(p: Profile) -> None:
     if not isinstance(p.meta.shard_units, list) or not all(
             isinstance(u, str) for u in p.meta.shard_units):
         raise ProfileError("meta.shard_units is not a list of module names")
+    mp = p.meta.fsdp_mixed_precision
+    if not isinstance(mp, dict) or (mp and (
+            set(mp) != {"param_dtype", "orig_dtype", "reduce_dtype"}
+            or not all(v in DTYPE_BYTES for v in mp.values()))):
+        raise ProfileError(
+            f"meta.fsdp_mixed_precision is {mp!r}, expected {{}} or param_dtype, orig_dtype and "
+            f"reduce_dtype, each one of {sorted(DTYPE_BYTES)}")
     seen: dict[str, int] = {}
     owner: dict[int, str] = {}
     last_phase = 0
@@ -516,6 +538,8 @@ def _validate(p: Profile) -> None:
                 raise ProfileError(f"{where}: field {key!r} is not a string")
         if not all(isinstance(x, str) for x in n.inputs):
             raise ProfileError(f"{where}: inputs must be a list of node names")
+        if not _is_count(n.rows):
+            raise ProfileError(f"{where}: rows is {n.rows!r}, expected a non-negative integer")
         if n.grad_of is not None and not isinstance(n.grad_of, str):
             raise ProfileError(f"{where}: grad_of must be a node name or null")
         if not isinstance(n.python_backward, bool):

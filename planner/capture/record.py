@@ -294,6 +294,9 @@ class Recording:
     attribute_stores: list[tuple[int, str]] = field(default_factory=list)
     """(op, ``module.attribute``) where a forward call left a tensor with an autograd graph in
     a plain attribute of its module (the op: the call's last)."""
+    rows: dict[int, int] = field(default_factory=dict)
+    """Op index -> first dimension of its tensor, for parameters and the ops holding their
+    gradients (`solvers.profile.Node.rows`: FSDP2 shards along it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1098,7 +1101,10 @@ def record_step(
         raise _foreign_hooks_error(spec, rec.foreign_hooks)
     # The loss and gradients die now, after every recorded op, as at the step's end; so does
     # what only reference cycles kept (they would wait for the garbage collector in training too).
-    rec.__dict__.pop("_final_refs", None)
+    refs = rec.__dict__.pop("_final_refs", None)
+    rec.grad_rows = [int(g.shape[0]) if g.dim() else 0 for g in refs[1] if g is not None] \
+        if refs is not None else []
+    del refs
     if _unreleased(rec):
         gc.collect()  # a full collection costs in proportion to the whole process's objects
     recording = _assemble(spec, rec, out_sids, loss_sid, grad_sids, input_shapes)
@@ -1370,6 +1376,20 @@ def _undo_compliance(ops: list[OpRecord], owner: dict[int, int], n_ph: int,
                 later.saves.add(sid)
 
 
+def _rows(spec, rec: _Recorder, ops: list[OpRecord], grad_sids: list[int], owner_of
+          ) -> dict[int, int]:
+    """First dimensions of the parameters and of their gradients, by op index."""
+    def first(t: torch.Tensor) -> int:
+        return int(t.shape[0]) if t.dim() else 0
+
+    rows = {i: first(spec.params[r.name]) for i, r in enumerate(ops)
+            if r.phase == "param" and r.name in spec.params}
+    grad_rows = getattr(rec, "grad_rows", [])
+    if len(grad_rows) == len(grad_sids):
+        rows.update({owner_of(s): n for s, n in zip(grad_sids, grad_rows, strict=True)})
+    return rows
+
+
 def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes) -> Recording:
     """Placeholders first, then ops; record indices shifted accordingly; saves and releases."""
     n_ph = len(rec.placeholders)
@@ -1410,6 +1430,7 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
         calls=calls,
         loss=owner_of(loss_sid),
         grads=[owner_of(s) for s in grad_sids],
+        rows=_rows(spec, rec, ops, grad_sids, owner_of),
         outputs=[owner_of(s) for s in out_sids if s in rec.owner],
         param_names=list(spec.params),
         trainable={k: bool(named[k].requires_grad) if k in named else bool(v.requires_grad)

@@ -133,3 +133,29 @@ def test_profile_bad_spec(
 ) -> None:
     assert main(["profile", spec, "-o", str(tmp_path / "p.json")]) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_profile_for_fsdp_mixed_precision_then_plan_offline_per_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mp_spec.py").write_text(
+        "from tests.models import hf_llama\n\n"
+        "def tiny():\n"
+        "    return hf_llama(batch=2, seq=16, layers=2, hidden=32, heads=2, kv_heads=1,\n"
+        "                    intermediate=64, vocab=64)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "p.json.gz"
+    assert main(["profile", "mp_spec:tiny", "-o", str(out), "--repeats", "1",
+                 "--fsdp-param-dtype", "bfloat16", "--fsdp-reduce-dtype", "float32"]) == 0
+    p = Profile.load(out)
+    assert p.meta.fsdp_mixed_precision == {"param_dtype": "bfloat16", "orig_dtype": "float32",
+                                           "reduce_dtype": "float32"}
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    assert "parameters cast from float32 to bfloat16" in capsys.readouterr().out
+    # planned for one process it would be a bfloat16 step no one runs: refused, with the fix
+    assert main(["plan", str(out), "--min"]) == 2
+    assert "add --fsdp --world-size N" in capsys.readouterr().err
+    assert main(["plan", str(out), "--min", "--fsdp", "--world-size", "2"]) == 0
+    assert "computing in bfloat16, stored in float32, reduced in float32" in \
+        capsys.readouterr().out

@@ -133,16 +133,18 @@ def _micro(ids: torch.Tensor, rank: int) -> dict:
     return {"input_ids": mb, "labels": mb, "use_cache": False}
 
 
-def _budget_between(model, inputs, sharding: str, accumulation: bool = False) -> int:
+def _budget_between(model, inputs, sharding: str, accumulation: bool = False,
+                    mp_policy=None) -> int:
     """A budget halfway between the smallest achievable per-rank peak and no checkpointing (of
-    a micro-batch after the first under gradient accumulation, with `accumulation`)."""
+    a micro-batch after the first under gradient accumulation, with `accumulation`; as FSDP2
+    runs the step under `mp_policy`)."""
     import planner
     from solvers.accumulation import holding_grads
     from solvers.distributed import per_rank
     from solvers.simulate import simulate
     from solvers.solve import smallest_peak
 
-    local = planner.profile(model, inputs, repeats=1)
+    local = planner.profile(model, inputs, repeats=1, mp_policy=mp_policy)
     q = per_rank(holding_grads(local) if accumulation else local, world_size=WORLD,
                  sharding=sharding)
     return (simulate(q).peak_bytes + smallest_peak(q)) // 2
@@ -157,24 +159,31 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
 
         lora = sharding.endswith("+lora")
         accumulation = sharding.endswith("+accumulation")
-        sharding = sharding.removesuffix("+lora").removesuffix("+accumulation")
+        mp_policy = _MP_POLICY() if sharding.endswith("+bf16") else None
+        sharding = sharding.removesuffix("+lora").removesuffix("+accumulation").removesuffix(
+            "+bf16")
         model, inputs, ids = _llama_and_batches(lora)
         mb = _micro(inputs["input_ids"], rank)
         # One budget for every rank, as a user passes one: rank 0's (the smallest peak comes
         # from a time-limited solve, which two ranks sharing the CPU may end at different places)
-        box = [_budget_between(model, mb, sharding, accumulation)]
+        box = [_budget_between(model, mb, sharding, accumulation, mp_policy)]
         dist.broadcast_object_list(box, src=0)
         budget = box[0]
         if sharding == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            p = planner.plan(model, budget_bytes=budget, example_inputs=mb, fsdp=True, repeats=1)
+            p = planner.plan(model, budget_bytes=budget, example_inputs=mb, fsdp=True, repeats=1,
+                             mp_policy=mp_policy)
             mesh = init_device_mesh("cpu", (WORLD,))
-            layers = (model.base_model.model if lora else model).model.layers
-            for layer in layers:  # the units the plan assumed: each block, then the root
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            sharded = {"mp_policy": mp_policy} if mp_policy is not None else {}
+
+            def shard(m):
+                for layer in (m.base_model.model if lora else m).model.layers:
+                    fully_shard(layer, mesh=mesh, **sharded)  # the units the plan assumed
+                fully_shard(m, mesh=mesh, **sharded)  # then the root
+
+            shard(model)
             trained = model
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -197,9 +206,22 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
             else:
                 trained(**_micro(b, rank)).loss.backward()
             opt.step()
-        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
-                 for k, v in model.state_dict().items()}
-        torch.save({"state": state, "budget": budget, "measured": m.peak_bytes,
+        def full_state(m):
+            return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+                    for k, v in m.state_dict().items()}
+
+        state = full_state(model)
+        twin = None
+        if mp_policy is not None:  # the same FSDP2 mixed-precision training, unplanned
+            unplanned, _, _ = _llama_and_batches(lora)
+            shard(unplanned)
+            opt = torch.optim.SGD(unplanned.parameters(), lr=0.1)
+            for b in ids:
+                opt.zero_grad(set_to_none=True)
+                unplanned(**_micro(b, rank)).loss.backward()
+                opt.step()
+            twin = full_state(unplanned)
+        torch.save({"state": state, "twin": twin, "budget": budget, "measured": m.peak_bytes,
                     "predicted": p.predicted_peak_bytes_now(),
                     "regions": [r.module for r in p.schedule.regions]},
                    Path(out_dir) / f"rank{rank}.pt")
@@ -207,7 +229,15 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("sharding", ["fsdp", "ddp", "fsdp+lora", "ddp+accumulation"])
+def _MP_POLICY():
+    """torchtitan's FSDP2 mixed precision: compute in bfloat16, reduce in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp", "fsdp+lora", "ddp+accumulation",
+                                      "fsdp+bf16"])
 def test_per_rank_plan_holds_its_budget_on_every_rank(sharding):
     with tempfile.TemporaryDirectory() as out:
         _spawn(_per_rank_worker, _free_port(), out, sharding)
@@ -217,6 +247,11 @@ def test_per_rank_plan_holds_its_budget_on_every_rank(sharding):
         assert r["measured"] <= r["budget"], (r["measured"], r["budget"], r["predicted"], r["regions"])
         err = abs(r["predicted"] - r["measured"]) / r["measured"]
         assert err <= PEAK_TOLERANCE, (sharding, r["predicted"], r["measured"])
+    if sharding.endswith("+bf16"):  # trains as the same FSDP2 mixed precision does unplanned
+        for r in res:
+            for k, ref in r["twin"].items():
+                torch.testing.assert_close(r["state"][k], ref, rtol=1e-5, atol=1e-6, msg=k)
+        return
     # one process on the whole batch, unplanned: the mean of the ranks' losses
     model, inputs, ids = _llama_and_batches(sharding.endswith("+lora"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -233,3 +268,119 @@ def test_per_rank_plan_holds_its_budget_on_every_rank(sharding):
     for k, ref in model.state_dict().items():
         for r in res:
             torch.testing.assert_close(r["state"][k], ref, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _mp_mismatch_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        import warnings
+
+        torch.set_num_threads(1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        import planner
+        from planner.inplace import PlanOutdatedWarning
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        seen = {}
+        # (planned for, sharded with): only a policy the plan was not made for warns
+        for case, planned, sharded in [("same", _MP_POLICY(), _MP_POLICY()),
+                                       ("fp32 plan, bf16 run", None, _MP_POLICY()),
+                                       ("bf16 plan, fp32 run", _MP_POLICY(),
+                                        MixedPrecisionPolicy())]:
+            model, inputs, _ = _llama_and_batches()
+            mb = _micro(inputs["input_ids"], rank)
+            planner.plan(model, budget_gb=1, example_inputs=mb, fsdp=True, repeats=1,
+                         method="per_block", mp_policy=planned)
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=sharded)
+            fully_shard(model, mesh=mesh, mp_policy=sharded)
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                for _ in range(2):
+                    model(**mb).loss.backward()
+            seen[case] = [str(x.message) for x in w
+                          if isinstance(x.message, PlanOutdatedWarning)]
+        torch.save(seen, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharding_with_another_mixed_precision_than_planned_warns():
+    with tempfile.TemporaryDirectory() as out:
+        _spawn(_mp_mismatch_worker, _free_port(), out)
+        res = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
+    for seen in res:
+        assert seen["same"] == []
+        assert len(seen["fp32 plan, bf16 run"]) == 1, seen
+        assert "recomputes more than it needs" in seen["fp32 plan, bf16 run"][0]
+        assert len(seen["bf16 plan, fp32 run"]) == 1, seen
+        assert "peak can pass the budget" in seen["bf16 plan, fp32 run"][0]
+
+
+def test_a_mixed_precision_plan_verifies_before_sharding():
+    """Before `fully_shard`, `verify` and `measure` run the step with FSDP2's casts: the step the
+    local profile recorded, whose peak the plan predicts for this process."""
+    import warnings
+
+    import planner
+    from planner.inplace import PlanOutdatedWarning
+    from solvers.simulate import simulate
+    from solvers.solve import smallest_peak
+
+    model, inputs, _ = _llama_and_batches()
+    mb = _micro(inputs["input_ids"], 0)
+    local = planner.profile(model, mb, repeats=1, mp_policy=_MP_POLICY())
+    budget = (simulate(local).peak_bytes + smallest_peak(local)) // 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanOutdatedWarning)
+        p = planner.plan(model, budget_bytes=budget, example_inputs=mb, fsdp=True,
+                         world_size=WORLD, repeats=1, mp_policy=_MP_POLICY())
+        assert p.schedule.regions
+        v = p.verify(repeats=1)
+        model(**mb).loss.backward()  # a float32 step of the unsharded model: no false warning
+    assert v.measured_peak_bytes == p.predicted_peak_bytes_now() == \
+        simulate(p.local_profile, p.schedule.regions).peak_bytes
+    assert v.max_grad_rel_err == 0.0
+    assert all(q.dtype == torch.float32 for q in model.parameters())
+
+
+def _padding_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        import planner
+        from tests import zoo
+
+        case = zoo.vit()  # a class token and position embeddings of one row each
+        p = planner.plan(case.model, budget_gb=1, example_inputs=case.inputs,
+                         loss_fn=case.loss_fn, fsdp=True, repeats=1, method="none",
+                         mp_policy=_MP_POLICY())
+        mesh = init_device_mesh("cpu", (WORLD,))
+        mods = dict(case.model.named_modules())
+        for u in p.profile.meta.shard_units:
+            fully_shard(mods[u], mesh=mesh, mp_policy=_MP_POLICY())
+        fully_shard(case.model, mesh=mesh, mp_policy=_MP_POLICY())
+        torch.save({"predicted": p.predicted_peak_bytes_now(),
+                    "measured": p.measure(repeats=1).peak_bytes},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_padding_of_parameters_with_few_rows_is_counted():
+    """FSDP2 pads each parameter to a multiple of the ranks along its first dimension: a ViT's
+    one-row class token and position embeddings are held whole on both ranks, with their
+    gradients. The per-rank prediction counts it (exactly, as measured; under FSDP2's mixed
+    precision, where the rest of this model's step is predicted exactly too)."""
+    with tempfile.TemporaryDirectory() as out:
+        _spawn(_padding_worker, _free_port(), out)
+        res = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
+    for r in res:
+        assert r["predicted"] == r["measured"], r

@@ -36,6 +36,18 @@ def _plan(model=None, x=None, **kw):
     return planner.plan(model, example_inputs=x0 if x is None else x, **kw)
 
 
+def _mp():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _two_dtypes_mp():
+    model, x = _gpt()
+    model.wpe.to(torch.bfloat16)
+    return _plan(model, x, fsdp=True, mp_policy=_mp())
+
+
 class _Branchy(nn.Module):
     def __init__(self):
         super().__init__()
@@ -331,6 +343,15 @@ ROWS = [
     Row("unknown profiling mode", _unknown_mode, CkptPlannerError,
         r"expected 'measure' or 'estimate'"),
     Row("unknown solver method", _unknown_method, ValueError, r"expected one of auto, "),
+    Row("FSDP2 mixed precision without fsdp=True", lambda: _plan(mp_policy=_mp()),
+        CkptPlannerError, r"mp_policy is FSDP2's mixed precision; pass fsdp=True"),
+    Row("mp_policy not a MixedPrecisionPolicy", lambda: _plan(fsdp=True,
+                                                              mp_policy=torch.bfloat16),
+        CkptPlannerError, r"pass the torch.distributed.fsdp.MixedPrecisionPolicy"),
+    Row("mp_policy with compile=", lambda: _plan(fsdp=True, mp_policy=_mp(), compile="inductor"),
+        CkptPlannerError, r"compile= with mp_policy is not supported yet.*without compile="),
+    Row("mp_policy on parameters of two dtypes", _two_dtypes_mp, CkptPlannerError,
+        r"several floating dtypes \(bfloat16, float32\).*model.float\(\)"),
     Row("malformed profile file", lambda: Schedule.from_dict({"schema": "x"}), ScheduleError,
         r"not a ckpt-planner schedule"),
     Row("profile of another schema", lambda: __import__("solvers").Profile.from_dict(
@@ -572,3 +593,40 @@ def test_cli_misuse_is_refused_with_a_fix(row: CliRow, tmp_path_factory, capsys)
     assert main(argv) == row.code
     err = capsys.readouterr().err
     assert re.search(row.says, err), err
+
+
+def test_profiling_for_fsdp_mixed_precision_puts_the_model_back():
+    """The step is recorded with the parameters cast in place (as FSDP2 all-gathers them): the
+    same Parameter objects come back in their dtype with their values and gradients, also where
+    the step raises."""
+    model, x = _gpt()
+    params = dict(model.named_parameters())
+    before = {k: p.detach().clone() for k, p in params.items()}
+    for p in params.values():
+        p.grad = torch.full_like(p, 0.5)
+    grads = {k: p.grad for k, p in params.items()}
+    prof = planner.profile(model, x, repeats=1, mp_policy=_mp())
+    assert prof.meta.fsdp_mixed_precision == {
+        "param_dtype": "bfloat16", "orig_dtype": "float32", "reduce_dtype": "float32"}
+    assert prof.meta.dtype == "bfloat16"
+    assert prof.param_bytes * 2 == sum(p.numel() * 4 for p in params.values())
+    for k, p in model.named_parameters():
+        assert p is params[k] and p.dtype == torch.float32 and p.grad is grads[k]
+        assert torch.equal(p, before[k]), k
+
+    def boom(_m, _a):
+        assert model.wte.weight.dtype == torch.bfloat16  # raised inside the cast step
+        raise RuntimeError("boom")
+
+    h = model.blocks[1].register_forward_pre_hook(boom)
+    with pytest.raises(planner.ModelRunError, match="boom"):
+        planner.profile(model, x, repeats=1, mp_policy=_mp())
+    h.remove()
+    for k, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is grads[k] and torch.equal(p, before[k]), k
+    # a policy that casts nothing records the step as it is
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    same = planner.profile(model, x, repeats=1, mp_policy=MixedPrecisionPolicy(
+        param_dtype=torch.float32))
+    assert same.meta.fsdp_mixed_precision == {} and same.param_bytes == 2 * prof.param_bytes

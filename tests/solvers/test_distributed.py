@@ -115,3 +115,92 @@ def test_per_rank_profile_round_trips_through_json(gpt2, tmp_path):
     back = Profile.load(q.save(tmp_path / "rank.json.gz"))
     assert back.meta == q.meta
     assert simulate(back).peak_bytes == simulate(q).peak_bytes
+
+
+# -- FSDP2's mixed precision ------------------------------------------------------------------------
+
+MP = {"param_dtype": "bfloat16", "orig_dtype": "float32", "reduce_dtype": "float32"}
+
+
+def _mixed(p: Profile, **mp: str) -> Profile:
+    """`p` (recorded in bfloat16) as recorded for FSDP2's MixedPrecisionPolicy, with Adam."""
+    return dataclasses.replace(p, optimizer_state_bytes=2 * p.grad_bytes,
+                               meta=dataclasses.replace(p.meta, fsdp_mixed_precision={**MP, **mp}))
+
+
+def _sizes(q: Profile, op: str) -> list[int]:
+    return [q.storage_bytes[s] for n in q.nodes if n.op == op for s in n.new_storages]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_fsdp_mixed_precision_keeps_shards_in_the_parameters_dtype(gpt2, world):
+    plain = per_rank(_mixed(gpt2, orig_dtype="bfloat16", reduce_dtype="bfloat16"),
+                     world_size=world, sharding="fsdp")
+    q = per_rank(_mixed(gpt2), world_size=world, sharding="fsdp")
+    # all-gathered parameters and unsharded gradients as recorded, in bfloat16
+    assert _sizes(q, "fsdp.all_gather") == _sizes(plain, "fsdp.all_gather")
+    assert _sizes(q, "fsdp.unshard") == _sizes(plain, "fsdp.unshard")
+    # shards, sharded gradients and Adam's state in float32: twice the bytes (less rounding)
+    shard = [q.storage_bytes[n.storage] for n in q.nodes if n.phase == "param"]
+    plain_shard = [plain.storage_bytes[n.storage] for n in plain.nodes if n.phase == "param"]
+    assert all(0 <= a - 2 * b <= 2 for a, b in zip(shard, plain_shard, strict=True))
+    assert 0 <= q.grad_bytes - 2 * plain.grad_bytes <= 2 * 13
+    assert 0 <= q.optimizer_state_bytes - 2 * plain.optimizer_state_bytes <= 2
+    # the reduce-scatter in float32, from the bfloat16 gradients
+    assert _sizes(q, "fsdp.reduce_scatter") == [2 * b for b in _sizes(plain,
+                                                                      "fsdp.reduce_scatter")]
+    assert not _sizes(q, "fsdp.reduce_output")
+    assert simulate(q).peak_bytes > simulate(plain).peak_bytes
+
+
+def test_fsdp_reduce_in_bfloat16_casts_the_reduced_shard(gpt2):
+    q = per_rank(_mixed(gpt2, reduce_dtype="bfloat16"), world_size=4, sharding="fsdp")
+    fp32 = per_rank(_mixed(gpt2), world_size=4, sharding="fsdp")
+    assert [2 * b for b in _sizes(q, "fsdp.reduce_scatter")] == _sizes(fp32,
+                                                                       "fsdp.reduce_scatter")
+    reduced, sharded = _sizes(q, "fsdp.reduce_output"), _sizes(q, "fsdp.sharded_grads")
+    assert len(reduced) == len(sharded) == 13
+    assert all(0 <= s - 2 * r <= 2 for r, s in zip(reduced, sharded, strict=True))
+    assert sharded == _sizes(fp32, "fsdp.sharded_grads") and q.grad_bytes == fp32.grad_bytes
+    # each reduced shard dies at its cast
+    for n in q.nodes:
+        if n.op == "fsdp.sharded_grads":
+            prev = q.nodes[q.index(n.name) - 1]
+            assert prev.op == "fsdp.reduce_output" and n.releases == prev.new_storages
+
+
+def test_fsdp_mixed_precision_is_checked_and_kept(gpt2, tmp_path):
+    with pytest.raises(ProfileError, match="DDP does not cast"):
+        per_rank(_mixed(gpt2), world_size=2, sharding="ddp")
+    for bad in ({"param_dtype": "bfloat16"}, {**MP, "param_dtype": "int8"}, ["bfloat16"]):
+        with pytest.raises(ProfileError, match="fsdp_mixed_precision"):
+            dataclasses.replace(gpt2, meta=dataclasses.replace(gpt2.meta,
+                                                               fsdp_mixed_precision=bad))
+    q = per_rank(_mixed(gpt2), world_size=8, sharding="fsdp")
+    back = Profile.load(q.save(tmp_path / "rank.json.gz"))
+    assert back.meta.fsdp_mixed_precision == MP
+    assert simulate(back).peak_bytes == simulate(q).peak_bytes
+
+
+def test_fsdp_pads_each_parameter_to_a_multiple_of_the_ranks(gpt2):
+    """A parameter of r rows is held as ceil(r / N) rows on each rank (FSDP2's dim-0 padding),
+    and gathered and reduce-scattered padded to N of those."""
+    wpe = next(n for n in gpt2.nodes if n.name == "transformer.wpe.weight")  # root: 1024 rows
+    layer = next(n for n in gpt2.nodes if n.name == "transformer.h.0.ln_1.weight")  # a unit's
+    odd = {wpe.name: 1, layer.name: 3}  # as if it had 1 row, and 3 rows
+    padded = dataclasses.replace(gpt2, nodes=tuple(
+        dataclasses.replace(n, rows=odd[n.name]) if n.name in odd else n for n in gpt2.nodes))
+    for world in (2, 4):
+        q, plain = (per_rank(x, world_size=world, sharding="fsdp") for x in (padded, gpt2))
+        size = {n.name: q.storage_bytes[n.storage] for n in q.nodes if n.phase == "param"}
+        was = {n.name: plain.storage_bytes[n.storage] for n in plain.nodes if n.phase == "param"}
+        full_wpe, full_ln = gpt2.storage_bytes[wpe.storage], gpt2.storage_bytes[layer.storage]
+        assert size[wpe.name] == full_wpe  # one row: whole on every rank
+        rows_each = -(-3 // world)  # 3 rows: 2 on each of 2 ranks, 1 on each of 4
+        assert size[layer.name] == rows_each * (full_ln // 3)
+        assert was[wpe.name] == full_wpe // world and was[layer.name] == -(-full_ln // world)
+        gathered = _sizes(q, "fsdp.all_gather")
+        assert gathered[0] - _sizes(plain, "fsdp.all_gather")[0] == (world - 1) * full_wpe
+        # the unit's all-gather (buffer and parameters) carries the padded rows too
+        extra = (rows_each * world - 3) * (full_ln // 3)
+        assert gathered[2] - _sizes(plain, "fsdp.all_gather")[2] == extra
