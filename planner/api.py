@@ -864,7 +864,8 @@ def plan(
     if sharding:
         try:
             prof = per_rank(local, world_size=world, sharding=sharding,
-                            units=list(fsdp_units) if fsdp_units is not None else None)
+                            units=list(fsdp_units) if fsdp_units is not None else None,
+                            gloo=_distributed() and torch.distributed.get_backend() == "gloo")
         except ProfileError as e:
             raise CkptPlannerError(str(e)) from None
     try:

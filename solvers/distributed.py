@@ -23,7 +23,8 @@ memory measured on 2 gloo ranks in `tests/planner/test_distributed.py`):
   ``reduce_dtype`` (its output cast to ``orig_dtype`` where they differ).
   FSDP2 shards each parameter along its first dimension, padded to a multiple of N rows
   (`Node.rows`): a parameter of one row (a ViT's class token) is held whole on every rank, and the
-  all-gathered and reduce-scattered buffers carry the padding too.
+  all-gathered and reduce-scattered buffers carry the padding too. On gloo (CPU) each
+  all-gather also holds a temporary of its output's size while it runs (``gloo=True``).
 
 `per_rank` writes these events into the profile as nodes (ops named ``fsdp.*``, taking no time,
 belonging to no module), so that the simulator and every solver price them like any other
@@ -65,10 +66,13 @@ def default_units(profile: Profile) -> list[str]:
 
 
 def per_rank(profile: Profile, *, world_size: int, sharding: str,
-             units: list[str] | None = None) -> Profile:
+             units: list[str] | None = None, gloo: bool = False) -> Profile:
     """The profile of one rank of `world_size` under `sharding` (``ddp`` or ``fsdp``), from the
     profile of one process's step on one rank's micro-batch. With ``fsdp``, `units` are the
-    modules `fully_shard` is applied to before the root (default: `default_units`)."""
+    modules `fully_shard` is applied to before the root (default: `default_units`). `gloo`: the
+    ranks communicate over gloo (CPU), whose all-gather copies its output through a temporary
+    of the same size (flattened, then copied out), counted as the all-gather's workspace; NCCL
+    writes into the output directly."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ProfileError(f"world_size is {world_size!r}, expected a positive integer")
     if sharding not in SHARDINGS:
@@ -91,7 +95,8 @@ def per_rank(profile: Profile, *, world_size: int, sharding: str,
             "an FSDP per-rank profile needs the module calls of a profile recorded by running the "
             "step (planner.profile); this one was traced (capture 'graph')"
         )
-    return _fsdp(profile, world_size, default_units(profile) if units is None else list(units))
+    return _fsdp(profile, world_size, default_units(profile) if units is None else list(units),
+                 gloo)
 
 
 def _ddp(p: Profile, world: int) -> Profile:
@@ -151,7 +156,7 @@ def _check_units(p: Profile, units: list[str]) -> list[tuple[int, int, str]]:
     return spans
 
 
-def _fsdp(p: Profile, world: int, units: list[str]) -> Profile:
+def _fsdp(p: Profile, world: int, units: list[str], gloo: bool = False) -> Profile:
     spans = _check_units(p, units)
     order = [u for _, _, u in spans]
     # Mixed precision: the step ran in param_dtype (q bytes an element); shards, sharded
@@ -217,11 +222,14 @@ def _fsdp(p: Profile, world: int, units: list[str]) -> Profile:
         sizes.append(nbytes)
         return len(sizes) - 1
 
-    def emit(name: str, phase: str, alloc: tuple[int, ...] = (), release: tuple[int, ...] = ()
-             ) -> None:
+    def emit(name: str, phase: str, alloc: tuple[int, ...] = (), release: tuple[int, ...] = (),
+             gathers: int | None = None) -> None:
+        """A collective's node; `gathers`: the all-gather buffer it fills (gloo's temporary)."""
         label = name.split("(")[0]
+        temp = sizes[gathers] if gloo and gathers is not None and world > 1 else 0
         out.append(Node(name=name, op=label, phase=phase, new_storages=alloc,
-                        storage=alloc[0] if alloc else None, releases=release))
+                        storage=alloc[0] if alloc else None, releases=release,
+                        workspace_bytes=temp))
 
     unit_end = {b: u for _, b, u in spans}
     unit_start = {a: u for a, _, u in spans}
@@ -262,19 +270,19 @@ def _fsdp(p: Profile, world: int, units: list[str]) -> Profile:
     for i, n in enumerate(nodes):
         if i == first_fwd:
             buf = storage(param_bytes[""])
-            emit("fsdp.all_gather(root)", "forward", alloc=(buf, root_params))
+            emit("fsdp.all_gather(root)", "forward", alloc=(buf, root_params), gathers=buf)
             held_buf = buf
         if i in unit_start:
             u = unit_start[i]
             buf, params = storage(param_bytes[u]), storage(param_bytes[u])
             emit(f"fsdp.all_gather({u})", "forward", alloc=(buf, params),
-                 release=(held_buf,) if held_buf is not None else ())
+                 release=(held_buf,) if held_buf is not None else (), gathers=buf)
             held_buf = buf
             unsharded[u] = params
         if i == first_fwd_bw and has_bw:
             v = has_bw[-1]
             pending[v] = storage(param_bytes[v])
-            emit(f"fsdp.prefetch({v})", "backward", alloc=(pending[v],))
+            emit(f"fsdp.prefetch({v})", "backward", alloc=(pending[v],), gathers=pending[v])
         if n.phase == "backward" and n.grad_of is not None:
             u = unit_of_node(p.index(n.grad_of)) if nodes[p.index(n.grad_of)].phase == \
                 "forward" else ""
@@ -283,13 +291,15 @@ def _fsdp(p: Profile, world: int, units: list[str]) -> Profile:
                 buf = pending.pop(u, None)
                 alloc = (params,) if buf is not None else (params, storage(param_bytes[u]))
                 emit(f"fsdp.unshard({u})", "backward", alloc=alloc,
-                     release=(buf if buf is not None else alloc[1],))
+                     release=(buf if buf is not None else alloc[1],),
+                     gathers=None if buf is not None else alloc[1])
                 unsharded[u] = params
                 k = has_bw.index(u)
                 if k > 0 and has_bw[k - 1] not in pending:
                     v = has_bw[k - 1]
                     pending[v] = storage(param_bytes[v])
-                    emit(f"fsdp.prefetch({v})", "backward", alloc=(pending[v],))
+                    emit(f"fsdp.prefetch({v})", "backward", alloc=(pending[v],),
+                         gathers=pending[v])
         if not grads_released.isdisjoint(n.releases):  # now released by their reduce-scatter
             n = dataclasses.replace(n, releases=tuple(s for s in n.releases
                                                       if s not in grads_released))

@@ -353,34 +353,39 @@ def _padding_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         torch.set_num_threads(1)
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         import planner
         from tests import zoo
 
-        case = zoo.vit()  # a class token and position embeddings of one row each
-        p = planner.plan(case.model, budget_gb=1, example_inputs=case.inputs,
-                         loss_fn=case.loss_fn, fsdp=True, repeats=1, method="none",
-                         mp_policy=_MP_POLICY())
         mesh = init_device_mesh("cpu", (WORLD,))
-        mods = dict(case.model.named_modules())
-        for u in p.profile.meta.shard_units:
-            fully_shard(mods[u], mesh=mesh, mp_policy=_MP_POLICY())
-        fully_shard(case.model, mesh=mesh, mp_policy=_MP_POLICY())
-        torch.save({"predicted": p.predicted_peak_bytes_now(),
-                    "measured": p.measure(repeats=1).peak_bytes},
-                   Path(out_dir) / f"rank{rank}.pt")
+        res = {}
+        for name, policy in (("float32", None), ("bf16 policy", _MP_POLICY())):
+            case = zoo.vit()  # a class token and position embeddings of one row each
+            p = planner.plan(case.model, budget_gb=1, example_inputs=case.inputs,
+                             loss_fn=case.loss_fn, fsdp=True, repeats=1, method="none",
+                             mp_policy=policy)
+            mods = dict(case.model.named_modules())
+            sharded = policy if policy is not None else MixedPrecisionPolicy()
+            for u in p.profile.meta.shard_units:
+                fully_shard(mods[u], mesh=mesh, mp_policy=sharded)
+            fully_shard(case.model, mesh=mesh, mp_policy=sharded)
+            res[name] = {"predicted": p.predicted_peak_bytes_now(),
+                         "measured": p.measure(repeats=1).peak_bytes}
+        torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp_padding_of_parameters_with_few_rows_is_counted():
+def test_fsdp_padding_and_gloo_temporaries_are_counted():
     """FSDP2 pads each parameter to a multiple of the ranks along its first dimension: a ViT's
     one-row class token and position embeddings are held whole on both ranks, with their
-    gradients. The per-rank prediction counts it (exactly, as measured; under FSDP2's mixed
-    precision, where the rest of this model's step is predicted exactly too)."""
+    gradients; and gloo's all-gather copies through a temporary of its output's size, where
+    this ViT's float32 step peaks. The per-rank prediction counts both (exactly, as measured,
+    in float32 and under FSDP2's bf16 mixed precision)."""
     with tempfile.TemporaryDirectory() as out:
         _spawn(_padding_worker, _free_port(), out)
         res = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
     for r in res:
-        assert r["predicted"] == r["measured"], r
+        for name, m in r.items():
+            assert m["predicted"] == m["measured"], (name, m)

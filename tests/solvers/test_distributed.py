@@ -204,3 +204,19 @@ def test_fsdp_pads_each_parameter_to_a_multiple_of_the_ranks(gpt2):
         # the unit's all-gather (buffer and parameters) carries the padded rows too
         extra = (rows_each * world - 3) * (full_ln // 3)
         assert gathered[2] - _sizes(plain, "fsdp.all_gather")[2] == extra
+
+
+def test_gloo_all_gathers_through_a_temporary_of_their_output(gpt2):
+    """gloo (CPU) flattens an all-gather's output into a temporary and copies it out: each
+    all-gather holds its buffer's size once more while it runs (measured on 2 gloo ranks,
+    `tests/planner/test_distributed.py`); NCCL writes the output directly."""
+    nccl = per_rank(gpt2, world_size=4, sharding="fsdp")
+    gloo = per_rank(gpt2, world_size=4, sharding="fsdp", gloo=True)
+    for a, b in zip(nccl.nodes, gloo.nodes, strict=True):
+        if a.op in ("fsdp.all_gather", "fsdp.prefetch"):
+            assert a.workspace_bytes == 0 and b.workspace_bytes == gloo.storage_bytes[b.storage]
+        else:
+            assert b.workspace_bytes == a.workspace_bytes, a.name
+    assert simulate(gloo).peak_bytes >= simulate(nccl).peak_bytes
+    one = per_rank(gpt2, world_size=1, sharding="fsdp", gloo=True)  # nothing to gather
+    assert all(n.workspace_bytes == 0 for n in one.nodes if n.op.startswith(COLLECTIVE_PREFIX))
