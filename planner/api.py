@@ -795,7 +795,9 @@ def plan(
         grad_accumulation: you accumulate gradients over micro-batches (or zero them with
             ``set_to_none=False``): the budget then holds for a step that starts with every
             gradient held from the micro-batch before, which peaks higher than the first
-            (`solvers.accumulation`). `verify` and `measure` step it so.
+            (`solvers.accumulation`). `verify` and `measure` step it so. Under FSDP2: with
+            gradient sync on every micro-batch (FSDP2's default), each rank holding its
+            sharded gradients; not with ``set_requires_gradient_sync(False)``.
 
     Under torch.distributed, `plan` is collective: call it on every rank (as `fully_shard` and
     DDP are); every rank applies rank 0's schedule.
@@ -839,16 +841,12 @@ def plan(
     def as_sharded():
         """Where the step runs in this process: as FSDP2 will run it (its casts)."""
         return fsdp_cast(model, mp_policy, units) if mp else contextlib.nullcontext()
-    if grad_accumulation and sharding == "fsdp":
-        raise CkptPlannerError(
-            "grad_accumulation=True is not modelled under FSDP2 yet (one process and DDP are): "
-            "plan without it and keep the gradients' size free below the budget (a step after "
-            "the first micro-batch holds every gradient from its start)")
     t0 = time.perf_counter()
     local = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                     repeats=repeats, autocast=autocast, trace_forwards=trace_forwards,
                     progress=progress, mp_policy=mp_policy if mp else None,
                     fsdp_units=units)
+    first = local  # FSDP2 shards the first micro-batch's step, then holds the sharded gradients
     if grad_accumulation:  # the step of this process; DDP's buckets are added after (per_rank)
         local = holding_grads(local)
         if local.meta.measured_peak_bytes is not None:  # the report's check, on this step
@@ -863,9 +861,12 @@ def plan(
     prof = local
     if sharding:
         try:
-            prof = per_rank(local, world_size=world, sharding=sharding,
+            prof = per_rank(first if sharding == "fsdp" else local, world_size=world,
+                            sharding=sharding,
                             units=list(fsdp_units) if fsdp_units is not None else None,
                             gloo=_distributed() and torch.distributed.get_backend() == "gloo")
+            if grad_accumulation and sharding == "fsdp":
+                prof = holding_grads(prof)
         except ProfileError as e:
             raise CkptPlannerError(str(e)) from None
     try:

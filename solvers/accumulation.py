@@ -20,7 +20,15 @@ for the first micro-batch too, which peaks no higher.
 Under DDP the held gradients are the same full gradients beside DDP's buckets (a micro-batch
 under ``no_sync()`` is the single process's step; the one that synchronizes copies each gradient
 into its bucket and back, allocating nothing), so the transform applies before or after
-`solvers.distributed.per_rank`'s; FSDP2 is refused.
+`solvers.distributed.per_rank`'s.
+
+Under FSDP2 it applies after `per_rank` (to one rank's profile): FSDP2 reduce-scatters every
+micro-batch's gradients (its default: gradient sync on) and adds each unit's new sharded
+gradient into the one held (torch 2.13, `_fsdp_collectives.foreach_reduce`:
+``sharded_param.grad._local_tensor += new_sharded_grad``), so a later micro-batch holds the
+sharded gradients from its start and each new shard dies once added. With gradient sync turned
+off between micro-batches (``set_requires_gradient_sync(False)``) FSDP2 keeps the unsharded
+gradients instead: not modelled.
 """
 
 from __future__ import annotations
@@ -33,9 +41,8 @@ from solvers.profile import FIXED_PHASES, Node, Profile
 __all__ = ["holding_grads", "refuse_fsdp"]
 
 _NOT_FSDP = (
-    "gradient accumulation under FSDP2 is not modelled (not measured: FSDP2 keeps unsharded "
-    "gradients between micro-batches while gradient sync is off); plan without it and keep the "
-    "gradients' size free below the budget")
+    "under FSDP2, apply gradient accumulation to one rank's profile: per_rank first (sharding "
+    "the gradients), then holding_grads")
 
 HELD_GRADS = "accumulation.held_gradients"
 """Name of the node that holds the gradients from before the step."""
@@ -49,7 +56,7 @@ def holding_grads(profile: Profile) -> Profile:
         raise ProfileError("this profile already describes a step with its gradients held "
                            "(gradient accumulation); start from the profile as recorded")
     if profile.meta.sharding == "fsdp":
-        raise ProfileError(_NOT_FSDP)
+        return _fsdp_holding(profile)
     p = profile
     # What backward made for the parameters: the recording saw it held to the step's end (as
     # `.grad`, released at the last node); here it dies once added into the held gradient.
@@ -66,6 +73,29 @@ def holding_grads(profile: Profile) -> Profile:
         p, nodes=(*nodes[:first], held, *nodes[first:]),
         storage_bytes=(*p.storage_bytes, p.grad_bytes),
         grads=(),  # what backward makes for a parameter dies once added into its held gradient
+        meta=dataclasses.replace(p.meta, grads_held=True),
+    )
+
+
+def _fsdp_holding(p: Profile) -> Profile:
+    """One FSDP2 rank's step with the sharded gradients held from its start: each unit's new
+    sharded gradient (`per_rank`'s ``fsdp.sharded_grads``) is added into the held one and dies."""
+    shards = set(p.grads)
+    nodes: list[Node] = []
+    for n in p.nodes:
+        nodes.append(n)
+        if n.name in shards:
+            tag = n.name[n.name.index("("):]
+            nodes.append(Node(name=f"fsdp.accumulate{tag}", op="fsdp.accumulate",
+                              phase="backward", releases=n.new_storages))
+    sid = len(p.storage_bytes)
+    first = next((i for i, n in enumerate(nodes) if n.phase not in FIXED_PHASES), len(nodes))
+    held = Node(name=HELD_GRADS, op="placeholder", phase="buffer", storage=sid,
+                new_storages=(sid,))
+    return dataclasses.replace(
+        p, nodes=(*nodes[:first], held, *nodes[first:]),
+        storage_bytes=(*p.storage_bytes, p.grad_bytes),
+        grads=(),
         meta=dataclasses.replace(p.meta, grads_held=True),
     )
 

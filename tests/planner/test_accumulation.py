@@ -13,11 +13,10 @@ import torch
 
 import planner
 from planner.api import plan_from_profile
-from planner.inplace import applied
 from planner.measurement import fixed_bytes, measure
 from planner.profiling import profile
 from solvers.accumulation import holding_grads
-from solvers.errors import CkptPlannerError, ProfileError
+from solvers.errors import ProfileError
 from solvers.profile import Profile
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
@@ -110,13 +109,24 @@ def test_lora_gradients_held_are_the_adapters_only():
     assert abs(predicted - looped) <= 0.01 * looped, (predicted, looped)
 
 
-def test_gradient_accumulation_under_fsdp_is_refused():
-    """Not modelled under FSDP2 (measured under DDP: tests/planner/test_distributed.py)."""
+def test_gradient_accumulation_under_fsdp_holds_the_sharded_gradients():
+    """Planned for FSDP2 with accumulation, a rank's step holds its sharded gradients from the
+    start (measured on 2 gloo ranks: tests/planner/test_distributed.py, fsdp+accumulation)."""
+    from solvers.accumulation import HELD_GRADS
+
     model, x = build("ln_linear_stack")
-    with pytest.raises(CkptPlannerError, match="not modelled under FSDP2"):
-        planner.plan(model, budget_gb=1, example_inputs=x, grad_accumulation=True,
-                     fsdp=True, world_size=2)
-    assert applied(model) is None
+    p = planner.plan(model, budget_gb=1, example_inputs=x, grad_accumulation=True,
+                     fsdp=True, world_size=2, repeats=1)
+    q = p.profile
+    assert q.meta.grads_held and q.meta.sharding == "fsdp"
+    held = next(n for n in q.nodes if n.name == HELD_GRADS)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert q.storage_bytes[held.storage] == q.grad_bytes
+    assert grads // 2 <= q.grad_bytes <= grads // 2 + 64  # each half, rounded up per unit
+    assert p.local_profile.meta.grads_held  # unsharded, this process holds every gradient
+    # one per unit with gradients (this model's root has no parameters of its own)
+    assert sum(n.op == "fsdp.accumulate" for n in q.nodes) == \
+        sum(n.op == "fsdp.sharded_grads" for n in q.nodes) == len(q.meta.shard_units)
 
 
 def test_a_compiled_plan_for_accumulation_holds_in_a_compiled_loop():
@@ -152,8 +162,8 @@ def test_holding_gradients_is_a_profile_transform_saved_with_the_profile(tmp_pat
         holding_grads(held)
     again = Profile.load(held.save(tmp_path / "held.json"))
     assert again.meta.grads_held and simulate(again).peak_bytes == simulate(held).peak_bytes
-    with pytest.raises(ProfileError, match="FSDP2 is not modelled"):
-        holding_grads(per_rank(prof, world_size=2, sharding="fsdp"))
+    with pytest.raises(ProfileError, match="per_rank first"):
+        per_rank(held, world_size=2, sharding="fsdp")
 
 
 def test_the_cli_plans_a_saved_profile_for_accumulation(tmp_path, capsys):

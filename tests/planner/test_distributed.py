@@ -9,6 +9,7 @@ every rank, as measured there, and train like one process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -145,8 +146,12 @@ def _budget_between(model, inputs, sharding: str, accumulation: bool = False,
     from solvers.solve import smallest_peak
 
     local = planner.profile(model, inputs, repeats=1, mp_policy=mp_policy)
-    q = per_rank(holding_grads(local) if accumulation else local, world_size=WORLD,
-                 sharding=sharding)
+    if sharding == "fsdp":  # FSDP2 holds each rank's sharded gradients
+        q = per_rank(local, world_size=WORLD, sharding=sharding)
+        q = holding_grads(q) if accumulation else q
+    else:
+        q = per_rank(holding_grads(local) if accumulation else local, world_size=WORLD,
+                     sharding=sharding)
     return (simulate(q).peak_bytes + smallest_peak(q)) // 2
 
 
@@ -174,7 +179,7 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
             from torch.distributed.fsdp import fully_shard
 
             p = planner.plan(model, budget_bytes=budget, example_inputs=mb, fsdp=True, repeats=1,
-                             mp_policy=mp_policy)
+                             mp_policy=mp_policy, grad_accumulation=accumulation)
             mesh = init_device_mesh("cpu", (WORLD,))
             sharded = {"mp_policy": mp_policy} if mp_policy is not None else {}
 
@@ -200,7 +205,8 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
             opt.zero_grad(set_to_none=True)
             if accumulation:  # each rank's micro-batch in two halves, the first under no_sync
                 quarter = WORLD * (b.shape[0] // WORLD // 2)
-                with trained.no_sync():
+                # DDP skips the first half's all-reduce; FSDP2 reduce-scatters both (its default)
+                with trained.no_sync() if sharding == "ddp" else contextlib.nullcontext():
                     (trained(**_micro(b[:quarter], rank)).loss / 2).backward()
                 (trained(**_micro(b[quarter:], rank)).loss / 2).backward()
             else:
@@ -237,7 +243,7 @@ def _MP_POLICY():
 
 
 @pytest.mark.parametrize("sharding", ["fsdp", "ddp", "fsdp+lora", "ddp+accumulation",
-                                      "fsdp+bf16"])
+                                      "fsdp+bf16", "fsdp+accumulation"])
 def test_per_rank_plan_holds_its_budget_on_every_rank(sharding):
     with tempfile.TemporaryDirectory() as out:
         _spawn(_per_rank_worker, _free_port(), out, sharding)

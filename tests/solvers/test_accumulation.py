@@ -54,9 +54,7 @@ def test_refused_twice_and_under_fsdp_composed_with_ddp(gpt2, tmp_path):
     held = holding_grads(gpt2)
     with pytest.raises(ProfileError, match="already"):
         holding_grads(held)
-    with pytest.raises(ProfileError, match="FSDP2 is not modelled"):
-        holding_grads(per_rank(gpt2, world_size=2, sharding="fsdp"))
-    with pytest.raises(ProfileError, match="FSDP2 is not modelled"):
+    with pytest.raises(ProfileError, match="per_rank first"):
         per_rank(held, world_size=2, sharding="fsdp")
     # DDP: the held gradients beside its buckets, whichever transform comes first
     a = per_rank(held, world_size=2, sharding="ddp")
@@ -66,3 +64,23 @@ def test_refused_twice_and_under_fsdp_composed_with_ddp(gpt2, tmp_path):
         + gpt2.grad_bytes
     again = Profile.load(held.save(tmp_path / "held.json.gz"))
     assert again.meta.grads_held and simulate(again).peak_bytes == simulate(held).peak_bytes
+
+
+def test_under_fsdp_each_rank_holds_its_sharded_gradients(gpt2):
+    """FSDP2 (gradient sync on): a later micro-batch holds the sharded gradients from its start,
+    and each unit's new sharded gradient dies once added into them."""
+    from solvers.distributed import per_rank
+
+    q = per_rank(gpt2, world_size=4, sharding="fsdp")
+    held = holding_grads(q)
+    assert held.meta.grads_held and held.grads == () and held.grad_bytes == q.grad_bytes
+    assert held.fixed_bytes == q.fixed_bytes + q.grad_bytes
+    names = [n.name for n in held.nodes]
+    for g in q.grads:  # every new shard is released by the node after it
+        n = held.nodes[names.index(g)]
+        after = held.nodes[names.index(g) + 1]
+        assert after.op == "fsdp.accumulate" and after.releases == n.new_storages
+    first, later = simulate(q).peak_bytes, simulate(held).peak_bytes
+    assert first < later <= first + q.grad_bytes
+    # a quarter of the unsharded gradients: what a rank holds beside the step
+    assert q.grad_bytes <= gpt2.grad_bytes // 4 + 13

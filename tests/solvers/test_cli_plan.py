@@ -74,3 +74,8 @@ def test_plan_per_rank_under_fsdp_and_ddp(capsys):
     assert main(["plan", gpt2, "--fsdp", "--fsdp-units", "transformer.h.99",
                  "--budget-gb", "40"]) == 2
     assert "not a module called in this step" in capsys.readouterr().err
+    # gradient accumulation under FSDP2: the sharded gradients held from the start
+    assert main(["plan", gpt2, "--world-size", "8", "--fsdp", "--grad-accumulation",
+                 "--min"]) == 0
+    text = capsys.readouterr().out
+    assert "per rank: FSDP2 over 8 ranks" in text and "every gradient held" in text
