@@ -558,10 +558,12 @@ def _update_peak(prof: Profile) -> int | None:
 
 def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autocast, backend,
                   method, time_limit_s, memory_budgets: Sequence[float],
-                  spread: int = 0) -> Plan:
+                  spread: int = 0, running=contextlib.nullcontext) -> Plan:
     """The fastest compiled configuration whose step peaks within the budget less the slack
     and `spread` (what the peak moves from batch to batch), measured (`planner.compiled`): our
-    plan, the partitioner's ``activation_memory_budget`` among `memory_budgets`, or both."""
+    plan, the partitioner's ``activation_memory_budget`` among `memory_budgets`, or both. The
+    copies are made and stepped inside `running()` (FSDP2's casts, `fsdp_cast`), the model
+    planned outside it."""
     # Compiled peaks are this process's step; `offset` is what a rank holds beside it.
     budget, local, offset = p.budget_bytes, p.local_profile, p.rank_offset_bytes()
     # The compiled copies are stepped without the optimizer (it updates the model's own
@@ -599,17 +601,19 @@ def _fit_compiled(model, p: Plan, prof: Profile, example_inputs, loss_fn, autoca
     restore: dict[str, Any] = {}
     compiled.raise_recompile_limit(restore)
     try:
-        fits, tried = compiled.search(
-            model, prof, target, backend=backend, eager_none=eager_none, solve_at=solve_at,
-            step=peak,
-            time_step=time_step, memory_budgets=memory_budgets)
+        with running():
+            fits, tried = compiled.search(
+                model, prof, target, backend=backend, eager_none=eager_none,
+                solve_at=solve_at, step=peak, time_step=time_step,
+                memory_budgets=memory_budgets)
         if not fits:
             shown = "; ".join(c.describe(backend) for c in tried)
             raise InfeasibleBudgetError(
                 f"under torch.compile(backend={backend!r}) no plan fits {format_bytes(budget)}: "
                 f"measured compiled peaks: {shown}. Raise the budget, or plan without compile= "
                 "and check the compiled step yourself")
-        best = compiled.fastest(fits, time_step)
+        with running():
+            best = compiled.fastest(fits, time_step)
     finally:
         torch._dynamo.reset()
         compiled.restore_recompile_limit(restore)
@@ -830,11 +834,6 @@ def plan(
         raise CkptPlannerError(
             "mp_policy is FSDP2's mixed precision; pass fsdp=True with it (for one process or "
             "DDP, train under torch.autocast and plan with autocast=torch.bfloat16)")
-    if mp_policy is not None and compile is not None:
-        raise CkptPlannerError(
-            "compile= with mp_policy is not supported yet (the compiled copies are not measured "
-            "under FSDP2's casts): plan with fsdp=True, mp_policy=... without compile=, then "
-            "compile; check the compiled step's peak yourself")
     mp = mixed_precision(model, mp_policy) if mp_policy is not None else {}
     units = tuple(fsdp_units or ())
 
@@ -892,11 +891,12 @@ def plan(
     if budget is not None and compile is not None:
         # Memory that moves from batch to batch is kept free below the compiled budget: the
         # spread of the (eager) planned step's peak over other batches or random draws.
-        peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast, optimizer,
-                       _must_run(prof), prof.held_bytes, prof.meta.grads_held) \
-            if moves else [0]
+        with as_sharded():
+            peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast,
+                           optimizer, _must_run(prof), prof.held_bytes, prof.meta.grads_held) \
+                if moves else [0]
         p = _fit_compiled(model, p, prof, example_inputs, loss_fn, autocast, compile, method,
-                          time_limit_s, compile_memory_budgets, spread(peaks))
+                          time_limit_s, compile_memory_budgets, spread(peaks), as_sharded)
         p.local_profile = local
     elif budget is not None and moves:
         # Memory moves from batch to batch: measure the planned step on other batches (or other

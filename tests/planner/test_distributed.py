@@ -395,3 +395,31 @@ def test_fsdp_padding_and_gloo_temporaries_are_counted():
     for r in res:
         for name, m in r.items():
             assert m["predicted"] == m["measured"], (name, m)
+
+
+def test_a_mixed_precision_plan_fitted_to_a_compiled_step():
+    """With compile=, the compiled copies are measured as FSDP2 runs the step (in bf16): the
+    compiled step under the casts peaks as the plan measured, below the float32 one."""
+    import planner
+    from planner.fsdp import fsdp_cast
+    from planner.measurement import measure
+    from solvers.simulate import simulate
+
+    torch._dynamo.reset()
+    model, inputs, _ = _llama_and_batches()
+    mb = _micro(inputs["input_ids"], 0)
+    local = planner.profile(model, mb, repeats=1, mp_policy=_MP_POLICY())
+    p = planner.plan(model, budget_bytes=simulate(local).peak_bytes, example_inputs=mb,
+                     fsdp=True, world_size=WORLD, repeats=1, mp_policy=_MP_POLICY(),
+                     compile="aot_eager", compile_memory_budgets=(1.0,))
+    try:
+        assert p.compiled_peak_bytes is not None
+        assert all(q.dtype == torch.float32 for q in model.parameters())
+        with fsdp_cast(model, _MP_POLICY()):
+            cast = measure(torch.compile(model, backend=p.compile_backend), mb, repeats=0)
+        torch._dynamo.reset()
+        full = measure(torch.compile(model, backend=p.compile_backend), mb, repeats=0)
+        assert cast.peak_bytes == p.compiled_peak_bytes < full.peak_bytes
+    finally:
+        planner.remove(model)
+        torch._dynamo.reset()

@@ -348,8 +348,6 @@ ROWS = [
     Row("mp_policy not a MixedPrecisionPolicy", lambda: _plan(fsdp=True,
                                                               mp_policy=torch.bfloat16),
         CkptPlannerError, r"pass the torch.distributed.fsdp.MixedPrecisionPolicy"),
-    Row("mp_policy with compile=", lambda: _plan(fsdp=True, mp_policy=_mp(), compile="inductor"),
-        CkptPlannerError, r"compile= with mp_policy is not supported yet.*without compile="),
     Row("mp_policy on parameters of two dtypes", _two_dtypes_mp, CkptPlannerError,
         r"several floating dtypes \(bfloat16, float32\).*model.float\(\)"),
     Row("malformed profile file", lambda: Schedule.from_dict({"schema": "x"}), ScheduleError,
