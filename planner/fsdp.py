@@ -84,12 +84,16 @@ def policy_param_dtype(policy: Any) -> str:
 
 
 @contextlib.contextmanager
-def fsdp_cast(model: torch.nn.Module, policy: Any,
-              units: Sequence[str] = ()) -> Iterator[None]:
+def fsdp_cast(model: torch.nn.Module, policy: Any, units: Sequence[str] = (),
+              uncast: set[str] | None = None, casted: set[str] | None = None
+              ) -> Iterator[None]:
     """Run `model` as FSDP2 runs it under `policy` for the duration of the block: floating
     parameters cast to ``param_dtype`` in place, the floating inputs of the root's and each of
     `units`' forward cast to it (``cast_forward_inputs``), their outputs to ``output_dtype``
-    where set. Parameters, gradients and forwards are put back afterwards, also on error."""
+    where set. Parameters, gradients and forwards are put back afterwards, also on error.
+    `uncast`, where given, collects the modules whose forward received a floating tensor of
+    another dtype than ``param_dtype``: had FSDP2 sharded one of them, it would have cast it;
+    `casted`, the ones of `units` whose inputs the cast changed."""
     mp = mixed_precision(model, policy)
     if not mp:
         yield
@@ -111,11 +115,24 @@ def fsdp_cast(model: torch.nn.Module, policy: Any,
             return x.to(dtype) if x.is_floating_point() else x
         return cast
 
-    def pre(_m: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return _apply_to_tensors(cast_to(param), args), _apply_to_tensors(cast_to(param), kwargs)
+    def pre_of(name: str):
+        def pre(_m: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+            if casted is not None:
+                _apply_to_tensors(lambda x: casted.add(name) if x.is_floating_point()
+                                  and x.dtype != param else None, (args, kwargs))
+            return (_apply_to_tensors(cast_to(param), args),
+                    _apply_to_tensors(cast_to(param), kwargs))
+        return pre
 
     def post(_m: torch.nn.Module, _args: Any, output: Any) -> Any:
         return _apply_to_tensors(cast_to(policy.output_dtype), output)
+
+    def watch(name: str):
+        def check(_m: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if name not in uncast:
+                _apply_to_tensors(lambda x: uncast.add(name) if x.is_floating_point()
+                                  and x.dtype != param else None, (args, kwargs))
+        return check
 
     try:
         for p in params:
@@ -124,9 +141,14 @@ def fsdp_cast(model: torch.nn.Module, policy: Any,
         for name in ["", *units]:
             m = modules[name]
             if policy.cast_forward_inputs:
-                hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                hooks.append(m.register_forward_pre_hook(pre_of(name), with_kwargs=True,
+                                                         prepend=True))
             if policy.output_dtype is not None:
                 hooks.append(m.register_forward_hook(post))
+        if uncast is not None and policy.cast_forward_inputs:
+            for name, m in modules.items():
+                if name and name not in units:
+                    hooks.append(m.register_forward_pre_hook(watch(name), with_kwargs=True))
         yield
     finally:
         for h in hooks:

@@ -224,12 +224,30 @@ def profile(
                                "model's output that returns a scalar tensor")
     mp = mixed_precision(model, mp_policy) if mp_policy is not None else {}
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    # FSDP2 casts the inputs of every module it shards. Without units named, the default
+    # units (each repeated block, `solvers.distributed.default_units`) are known only from the
+    # profile: the step is recorded with the children of every ModuleList cast (where such
+    # blocks live), and again with the default units cast if those differ where it matters.
+    guess = list(fsdp_units) or [f"{name}.{child}" if name else child
+                                 for name, m in model.named_modules()
+                                 if isinstance(m, torch.nn.ModuleList) for child in m._modules]
+    uncast: set[str] = set()
+    casted: set[str] = set()
     # the user's RNG streams do not move
-    with torch.random.fork_rng(devices=devices), \
-            fsdp_cast(model, mp_policy, fsdp_units) if mp else contextlib.nullcontext():
+    with torch.random.fork_rng(devices=devices), fsdp_cast(
+            model, mp_policy, guess, uncast, casted) if mp else contextlib.nullcontext():
         prof = _profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, mode=mode,
                         device=device, repeats=repeats, autocast=autocast,
                         trace_forwards=trace_forwards, progress=progress)
+    if mp and not fsdp_units and (uncast or casted):
+        from solvers.distributed import default_units
+
+        units = default_units(prof)
+        if uncast.intersection(units) or casted.difference(units):
+            with torch.random.fork_rng(devices=devices), fsdp_cast(model, mp_policy, units):
+                prof = _profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                                mode=mode, device=device, repeats=repeats, autocast=autocast,
+                                trace_forwards=trace_forwards, progress=progress)
     if autocast is not None:
         prof = dataclasses.replace(prof, meta=dataclasses.replace(
             prof.meta, autocast=str(autocast).removeprefix("torch.")))

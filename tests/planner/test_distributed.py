@@ -423,3 +423,59 @@ def test_a_mixed_precision_plan_fitted_to_a_compiled_step():
     finally:
         planner.remove(model)
         torch._dynamo.reset()
+
+
+class _BufferFedLayers(torch.nn.Module):
+    """Each layer takes a float32 buffer beside its input: FSDP2 casts it to bf16 at every
+    sharded layer; left uncast, `h + pe` would promote the layer's activations to float32."""
+
+    def __init__(self, dim: int = 32, n: int = 3):
+        super().__init__()
+        self.inp = torch.nn.Linear(dim, dim)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                torch.nn.Linear(4 * dim, dim)) for _ in range(n))
+        self.register_buffer("pe", torch.randn(16, dim))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h + self.pe)
+        return h.float().pow(2).mean()
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h, pe):
+        return self.inner(h + pe)
+
+
+def test_mixed_precision_casts_the_inputs_of_the_default_units():
+    """Without units named, the inputs of the default units (each repeated layer) are cast as
+    FSDP2 casts them: the profile equals one made with the units named. (Sharding only the
+    root, a layer gets the float32 buffer, and its bf16 Linear refuses it, under FSDP2 too.)"""
+    import planner
+    from solvers.simulate import simulate
+
+    torch.manual_seed(0)
+    model = _BufferFedLayers()
+    model.layers = torch.nn.ModuleList(_Layer(m) for m in model.layers)
+    model.forward = lambda x: _forward(model, x)  # the layers take pe as an argument
+    x = torch.randn(8, 16, 32)
+    units = [f"layers.{i}" for i in range(3)]
+    default = planner.profile(model, x, repeats=1, mp_policy=_MP_POLICY())
+    named = planner.profile(model, x, repeats=1, mp_policy=_MP_POLICY(), fsdp_units=units)
+    assert default.saved_bytes == named.saved_bytes
+    assert simulate(default).peak_bytes == simulate(named).peak_bytes
+    with pytest.raises(planner.ModelRunError, match="Float and BFloat16"):  # uncast, as FSDP2
+        planner.profile(model, x, repeats=1, mp_policy=_MP_POLICY(), fsdp_units=["inp"])
+
+
+def _forward(model, x):
+    h = model.inp(x)
+    for layer in model.layers:
+        h = layer(h, model.pe)
+    return h.float().pow(2).mean()
