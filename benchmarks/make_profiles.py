@@ -38,10 +38,14 @@ LLAMA3_70B = {
     "llama3_70b_seq4096_h100": (dict(seq=4096), "h100", "foreach"),
     "llama3_70b_seq4096_h100_fused": (dict(seq=4096), "h100", "fused"),
     "llama3_70b_seq2048_h100_fused": (dict(seq=2048), "h100", "fused"),
+    # torchtitan's FSDP2 mixed precision: float32 weights, computed in bf16 (mp_policy)
+    "llama3_70b_seq4096_mi300x_mp": (dict(seq=4096, dtype="float32"), "mi300x", "foreach"),
 }
 """Llama-3-70B, batch 1: LoRA r=16 on one MI300X, and full fine-tuning (planned per rank under
 FSDP2 from the same profile) on MI300X and H100, with AdamW's default (foreach) step on a GPU or
-its fused one, which allocates no temporaries beyond its state."""
+its fused one, which allocates no temporaries beyond its state. The ``_mp`` one keeps float32
+weights and is recorded under FSDP2's `MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`, as torchtitan trains."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if name in LLAMA3_70B:
             kw, device, implementation = LLAMA3_70B[name]
+            kw = {**kw, "dtype": getattr(torch, kw.get("dtype", "bfloat16"))}
             model, inputs = zoo.llama3_70b(**kw)
             filename = f"{name}.json.gz"
         else:
@@ -79,7 +84,14 @@ def main(argv: list[str] | None = None) -> int:
                 # profile only reads which implementation the step will run.
                 for group in optimizer.param_groups:
                     group.update(foreach=False, fused=True)
-        prof = profile(model, inputs, mode="estimate", device=device, optimizer=optimizer)
+        mp_policy = None
+        if name.endswith("_mp"):
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                             reduce_dtype=torch.float32)
+        prof = profile(model, inputs, mode="estimate", device=device, optimizer=optimizer,
+                       mp_policy=mp_policy)
         path = prof.save(out / filename)
         secs = time.perf_counter() - t0
         print(
