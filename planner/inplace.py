@@ -79,6 +79,9 @@ class AppliedPlan:
     """(path, weak reference) of each module with a ``gradient_checkpointing`` flag (HF layers,
     which `gradient_checkpointing_enable()` and `TrainingArguments(gradient_checkpointing=True)`
     turn on), found on the first step."""
+    fsdp_groups: list[Any] | None = None
+    """FSDP2's parameter groups of the sharded model (their ``reduce_grads`` is gradient sync),
+    found on the first step after `fully_shard`."""
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (`copy.deepcopy`, `torch.save`) finds its own largest parameter and flagged
@@ -86,6 +89,7 @@ class AppliedPlan:
         state = dict(self.__dict__)
         state["largest"] = None
         state["flags"] = None
+        state["fsdp_groups"] = None
         return state
 
 
@@ -651,7 +655,8 @@ def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
             "model.gradient_checkpointing_disable()): the plan places the checkpoints"),
             stacklevel=2)
         return
-    if "fsdp_param_dtype" in plan.schedule.made_for and _fsdp_mismatch(model, plan):
+    if "fsdp_param_dtype" in plan.schedule.made_for and (
+            _fsdp_mismatch(model, plan) or _fsdp_sync_off(model, plan)):
         return
     if "autocast" in plan.schedule.made_for:
         global _AUTOCAST_DUE
@@ -700,6 +705,28 @@ def _fsdp_mismatch(model: torch.nn.Module, plan: AppliedPlan) -> bool:
                       "the step's peak can pass the budget")
         + "; plan with planner.plan(model, ..., fsdp=True, mp_policy=<the policy you pass "
         "fully_shard>) before sharding"), stacklevel=3)
+    return True
+
+
+def _fsdp_sync_off(model: torch.nn.Module, plan: AppliedPlan) -> bool:
+    """Warn (once) and say so if FSDP2's gradient sync is off for this step
+    (``set_requires_gradient_sync(False)``, between micro-batches): FSDP2 then keeps every
+    layer's unsharded gradients until a step that syncs, which the plan does not count."""
+    if plan.fsdp_groups is None:
+        if not callable(getattr(model, "_get_fsdp_state", None)):
+            return False  # not sharded (yet)
+        plan.fsdp_groups = [g for m in model.modules() if callable(getattr(
+            m, "_get_fsdp_state", None)) for g in getattr(m._get_fsdp_state(),
+                                                          "_fsdp_param_groups", ())]
+    if all(getattr(g, "reduce_grads", True) for g in plan.fsdp_groups):
+        return False
+    plan.warned = True
+    warnings.warn(PlanOutdatedWarning(
+        "FSDP2's gradient sync is off for this step (set_requires_gradient_sync(False)): FSDP2 "
+        "keeps every layer's unsharded gradients until a step that syncs, which the plan does "
+        "not count, so the step's peak can pass the budget. Keep gradient sync on for every "
+        "micro-batch (FSDP2's default; plan with grad_accumulation=True), or lower the budget "
+        "by the unsharded gradients' size"), stacklevel=3)
     return True
 
 

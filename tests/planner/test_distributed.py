@@ -291,11 +291,13 @@ def _mp_mismatch_worker(rank: int, port: int, out_dir: str) -> None:
 
         mesh = init_device_mesh("cpu", (WORLD,))
         seen = {}
-        # (planned for, sharded with): only a policy the plan was not made for warns
-        for case, planned, sharded in [("same", _MP_POLICY(), _MP_POLICY()),
-                                       ("fp32 plan, bf16 run", None, _MP_POLICY()),
-                                       ("bf16 plan, fp32 run", _MP_POLICY(),
-                                        MixedPrecisionPolicy())]:
+        # (planned for, sharded with, gradient sync): only a policy the plan was not made
+        # for warns, and gradient sync turned off
+        for case, planned, sharded, sync in [
+                ("same", _MP_POLICY(), _MP_POLICY(), True),
+                ("fp32 plan, bf16 run", None, _MP_POLICY(), True),
+                ("bf16 plan, fp32 run", _MP_POLICY(), MixedPrecisionPolicy(), True),
+                ("sync off", None, MixedPrecisionPolicy(), False)]:
             model, inputs, _ = _llama_and_batches()
             mb = _micro(inputs["input_ids"], rank)
             planner.plan(model, budget_gb=1, example_inputs=mb, fsdp=True, repeats=1,
@@ -303,6 +305,7 @@ def _mp_mismatch_worker(rank: int, port: int, out_dir: str) -> None:
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=sharded)
             fully_shard(model, mesh=mesh, mp_policy=sharded)
+            model.set_requires_gradient_sync(sync)
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
                 for _ in range(2):
@@ -314,7 +317,7 @@ def _mp_mismatch_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_sharding_with_another_mixed_precision_than_planned_warns():
+def test_sharding_with_another_mixed_precision_than_planned_or_sync_off_warns():
     with tempfile.TemporaryDirectory() as out:
         _spawn(_mp_mismatch_worker, _free_port(), out)
         res = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
@@ -324,6 +327,8 @@ def test_sharding_with_another_mixed_precision_than_planned_warns():
         assert "recomputes more than it needs" in seen["fp32 plan, bf16 run"][0]
         assert len(seen["bf16 plan, fp32 run"]) == 1, seen
         assert "peak can pass the budget" in seen["bf16 plan, fp32 run"][0]
+        assert len(seen["sync off"]) == 1, seen
+        assert "set_requires_gradient_sync(False)" in seen["sync off"][0]
 
 
 def test_a_mixed_precision_plan_verifies_before_sharding():
