@@ -835,7 +835,7 @@ def plan(
             "mp_policy is FSDP2's mixed precision; pass fsdp=True with it (for one process or "
             "DDP, train under torch.autocast and plan with autocast=torch.bfloat16)")
     mp = mixed_precision(model, mp_policy) if mp_policy is not None else {}
-    units = tuple(fsdp_units or ())
+    units = list(fsdp_units or ())  # the default units once the profile names them
 
     def as_sharded():
         """Where the step runs in this process: as FSDP2 will run it (its casts)."""
@@ -866,6 +866,7 @@ def plan(
                             gloo=_distributed() and torch.distributed.get_backend() == "gloo")
             if grad_accumulation and sharding == "fsdp":
                 prof = holding_grads(prof)
+            units[:] = prof.meta.shard_units
         except ProfileError as e:
             raise CkptPlannerError(str(e)) from None
     try:
@@ -921,7 +922,7 @@ def plan(
         p = _agree(model, p)
     p.module, p.loss_fn, p.example_inputs, p.optimizer = given, loss_fn, example_inputs, optimizer
     p.autocast = autocast
-    p.mp_policy, p.fsdp_units = (mp_policy, units) if mp else (None, ())
+    p.mp_policy, p.fsdp_units = (mp_policy, tuple(units)) if mp else (None, ())
     p.seconds = {"profile": time.perf_counter() - t0, **p.seconds}
     return p
 

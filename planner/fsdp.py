@@ -26,7 +26,7 @@ import torch
 from solvers.errors import CkptPlannerError
 from solvers.profile import DTYPE_BYTES
 
-__all__ = ["fsdp_cast", "mixed_precision", "policy_param_dtype"]
+__all__ = ["fsdp_cast", "mixed_precision"]
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -75,12 +75,6 @@ def mixed_precision(model: torch.nn.Module, policy: Any) -> dict[str, str]:
     if param == orig and reduce == param:
         return {}
     return {"param_dtype": _name(param), "orig_dtype": _name(orig), "reduce_dtype": _name(reduce)}
-
-
-def policy_param_dtype(policy: Any) -> str:
-    """The dtype name FSDP2 computes in under `policy` ("" when it casts nothing)."""
-    d = getattr(policy, "param_dtype", None)
-    return _name(d) if d is not None else ""
 
 
 @contextlib.contextmanager
