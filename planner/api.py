@@ -978,6 +978,12 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
     (`solvers.solve.lowest`), its budget that peak plus `SLACK_BYTES`: the smallest budget at
     which a plan leaves the slack for what the profile does not see. `example_inputs` and
     `loss_fn` (those of the profile) let `Plan.verify` and `Plan.measure` run."""
+    if profile.meta.fsdp_mixed_precision and profile.meta.sharding != "fsdp":
+        raise CkptPlannerError(
+            "this profile was recorded for FSDP2's mixed precision (parameters cast to "
+            f"{profile.meta.fsdp_mixed_precision['param_dtype']}): plan one rank's profile, "
+            "solvers.distributed.per_rank(profile, world_size=N, sharding='fsdp'), or "
+            "planner.plan(model, ..., fsdp=True, mp_policy=...)")
     t0 = time.perf_counter()
     if budget_bytes is None:
         schedule = lowest(profile, time_limit_s if time_limit_s is not None else 10.0)

@@ -42,6 +42,14 @@ def _mp():
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def _mp_profile_one_process():
+    from planner.api import plan_from_profile
+
+    model, x = _gpt()
+    return plan_from_profile(model, planner.profile(model, x, repeats=1, mp_policy=_mp()),
+                             budget_bytes=2**40)
+
+
 def _two_dtypes_mp():
     model, x = _gpt()
     model.wpe.to(torch.bfloat16)
@@ -348,6 +356,8 @@ ROWS = [
     Row("mp_policy not a MixedPrecisionPolicy", lambda: _plan(fsdp=True,
                                                               mp_policy=torch.bfloat16),
         CkptPlannerError, r"pass the torch.distributed.fsdp.MixedPrecisionPolicy"),
+    Row("a mixed-precision profile planned for one process", _mp_profile_one_process,
+        CkptPlannerError, r"recorded for FSDP2's mixed precision.*per_rank"),
     Row("mp_policy on parameters of two dtypes", _two_dtypes_mp, CkptPlannerError,
         r"several floating dtypes \(bfloat16, float32\).*model.float\(\)"),
     Row("malformed profile file", lambda: Schedule.from_dict({"schema": "x"}), ScheduleError,
