@@ -236,8 +236,10 @@ class Plan:
             shown = "; ".join(f"{c.module or '(root)'}: {c.blocker}" for c in blocked[:5])
             more = f" (and {len(blocked) - 5} more)" if len(blocked) > 5 else ""
             lines.append(f"modules that cannot be regions: {shown}{more}")
-        checked = p.meta.measured_peak_bytes
-        unplanned = simulate(p).peak_bytes
+        # the check is of this process's recording: per rank (DDP, FSDP2) the profile is derived
+        recorded = self.local_profile if self.local_profile is not None else p
+        checked = recorded.meta.measured_peak_bytes
+        unplanned = simulate(recorded).peak_bytes
         if checked and abs(unplanned - checked) > CHECK_TOLERANCE * checked:
             lines.append(f"WARNING: the profiled step predicts {format_bytes(unplanned)} without "
                          f"checkpointing but measured {format_bytes(checked)}: the recording "
@@ -850,9 +852,10 @@ def plan(
         local = holding_grads(local)
         if local.meta.measured_peak_bytes is not None:  # the report's check, on this step
             try:
-                checked = measure(model, example_inputs, loss_fn, optimizer=optimizer,
-                                  repeats=0, autocast=autocast, held_bytes=local.held_bytes,
-                                  grads_held=True).peak_bytes
+                with as_sharded():
+                    checked = measure(model, example_inputs, loss_fn, optimizer=optimizer,
+                                      repeats=0, autocast=autocast, held_bytes=local.held_bytes,
+                                      grads_held=True).peak_bytes
             except Exception:  # noqa: BLE001 - as profile's own check: skipped if it cannot run
                 checked = None
             local = dataclasses.replace(local, meta=dataclasses.replace(

@@ -485,3 +485,19 @@ def _forward(model, x):
     for layer in model.layers:
         h = layer(h, model.pe)
     return h.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_a_per_rank_plan_report_checks_the_recording_it_was_made_from(fsdp):
+    """The report's check of the recording (simulated against measured, unplanned) compares
+    this process's step with its own measurement, not one rank's derived profile with it."""
+    import planner
+    from tests.models import gpt_eager
+
+    torch.manual_seed(0)
+    model, x = gpt_eager(batch=2, seq=16, dim=32, heads=2, layers=2, vocab=64)
+    p = planner.plan(model, budget_gb=1, example_inputs=x, fsdp=fsdp, world_size=WORLD,
+                     repeats=1)
+    assert p.profile.meta.sharding == ("fsdp" if fsdp else "ddp")
+    assert p.local_profile.meta.measured_peak_bytes is not None
+    assert "WARNING" not in p.report()
