@@ -40,7 +40,7 @@ from solvers.profile import FIXED_PHASES, Node, Profile
 
 __all__ = ["holding_grads", "refuse_fsdp"]
 
-_NOT_FSDP = (
+_SHARD_FIRST = (
     "under FSDP2, apply gradient accumulation to one rank's profile: per_rank first (sharding "
     "the gradients), then holding_grads")
 
@@ -65,16 +65,7 @@ def holding_grads(profile: Profile) -> Profile:
             if s is not None}
     nodes = [dataclasses.replace(n, releases=tuple(s for s in n.releases if s not in made))
              if made.intersection(n.releases) else n for n in p.nodes]
-    sid = len(p.storage_bytes)
-    first = next((i for i, n in enumerate(nodes) if n.phase not in FIXED_PHASES), len(nodes))
-    held = Node(name=HELD_GRADS, op="placeholder", phase="buffer", storage=sid,
-                new_storages=(sid,))
-    return dataclasses.replace(
-        p, nodes=(*nodes[:first], held, *nodes[first:]),
-        storage_bytes=(*p.storage_bytes, p.grad_bytes),
-        grads=(),  # what backward makes for a parameter dies once added into its held gradient
-        meta=dataclasses.replace(p.meta, grads_held=True),
-    )
+    return _with_held(p, nodes)
 
 
 def _fsdp_holding(p: Profile) -> Profile:
@@ -88,6 +79,13 @@ def _fsdp_holding(p: Profile) -> Profile:
             tag = n.name[n.name.index("("):]
             nodes.append(Node(name=f"fsdp.accumulate{tag}", op="fsdp.accumulate",
                               phase="backward", releases=n.new_storages))
+    return _with_held(p, nodes)
+
+
+def _with_held(p: Profile, nodes: list[Node]) -> Profile:
+    """`p` with `nodes`, and its gradients (``grad_bytes``) held as fixed memory before the
+    step; what backward makes for a parameter no longer counts as its gradient (`grads`): it
+    dies once added into the held one."""
     sid = len(p.storage_bytes)
     first = next((i for i, n in enumerate(nodes) if n.phase not in FIXED_PHASES), len(nodes))
     held = Node(name=HELD_GRADS, op="placeholder", phase="buffer", storage=sid,
@@ -103,4 +101,4 @@ def _fsdp_holding(p: Profile) -> Profile:
 def refuse_fsdp(profile: Profile) -> None:
     """Raise where `profile` holds gradients (FSDP2 with accumulation is not modelled)."""
     if profile.meta.grads_held:
-        raise ProfileError(_NOT_FSDP)
+        raise ProfileError(_SHARD_FIRST)

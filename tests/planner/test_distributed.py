@@ -42,6 +42,18 @@ def _spawn(fn, *args) -> None:
             pytest.fail(f"distributed workers did not finish in {TIMEOUT_S} s")
 
 
+@contextlib.contextmanager
+def _group(rank: int, port: int):
+    """This worker's gloo process group on 127.0.0.1 (one thread), destroyed afterwards."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,10 +71,7 @@ def _model_and_batches():
 
 
 def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
+    with _group(rank, port):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         import planner
@@ -81,8 +90,6 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
             opt.step()
         torch.save({k: v.detach() for k, v in model.state_dict().items()},
                    Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_plan_of_a_ddp_model_keeps_gradients_in_sync():
@@ -156,10 +163,7 @@ def _budget_between(model, inputs, sharding: str, accumulation: bool = False,
 
 
 def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
+    with _group(rank, port):
         import planner
 
         sharding, *options = sharding.split("+")
@@ -231,8 +235,6 @@ def _per_rank_worker(rank: int, port: int, out_dir: str, sharding: str) -> None:
                     "predicted": p.predicted_peak_bytes_now(),
                     "regions": [r.module for r in p.schedule.regions]},
                    Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def _MP_POLICY():
@@ -278,12 +280,9 @@ def test_per_rank_plan_holds_its_budget_on_every_rank(sharding):
 
 
 def _mp_mismatch_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with _group(rank, port):
         import warnings
 
-        torch.set_num_threads(1)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -314,8 +313,6 @@ def _mp_mismatch_worker(rank: int, port: int, out_dir: str) -> None:
             seen[case] = [str(x.message) for x in w
                           if isinstance(x.message, PlanOutdatedWarning)]
         torch.save(seen, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharding_with_another_mixed_precision_than_planned_or_sync_off_warns():
@@ -360,10 +357,7 @@ def test_a_mixed_precision_plan_verifies_before_sharding():
 
 
 def _padding_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
+    with _group(rank, port):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -385,8 +379,6 @@ def _padding_worker(rank: int, port: int, out_dir: str) -> None:
             res[name] = {"predicted": p.predicted_peak_bytes_now(),
                          "measured": p.measure(repeats=1).peak_bytes}
         torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp_padding_and_gloo_temporaries_are_counted():
@@ -431,32 +423,31 @@ def test_a_mixed_precision_plan_fitted_to_a_compiled_step():
         torch._dynamo.reset()
 
 
+class _FedLayer(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, h, pe):
+        return self.mlp(h + pe)
+
+
 class _BufferFedLayers(torch.nn.Module):
     """Each layer takes a float32 buffer beside its input: FSDP2 casts it to bf16 at every
-    sharded layer; left uncast, `h + pe` would promote the layer's activations to float32."""
+    sharded layer; left uncast, the layer's bf16 Linear refuses `h + pe` (float32)."""
 
     def __init__(self, dim: int = 32, n: int = 3):
         super().__init__()
         self.inp = torch.nn.Linear(dim, dim)
-        self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
-                                torch.nn.Linear(4 * dim, dim)) for _ in range(n))
+        self.layers = torch.nn.ModuleList(_FedLayer(dim) for _ in range(n))
         self.register_buffer("pe", torch.randn(16, dim))
 
     def forward(self, x):
         h = self.inp(x)
         for layer in self.layers:
-            h = layer(h + self.pe)
+            h = layer(h, self.pe)
         return h.float().pow(2).mean()
-
-
-class _Layer(torch.nn.Module):
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, h, pe):
-        return self.inner(h + pe)
 
 
 def test_mixed_precision_casts_the_inputs_of_the_default_units():
@@ -468,8 +459,6 @@ def test_mixed_precision_casts_the_inputs_of_the_default_units():
 
     torch.manual_seed(0)
     model = _BufferFedLayers()
-    model.layers = torch.nn.ModuleList(_Layer(m) for m in model.layers)
-    model.forward = lambda x: _forward(model, x)  # the layers take pe as an argument
     x = torch.randn(8, 16, 32)
     units = [f"layers.{i}" for i in range(3)]
     default = planner.profile(model, x, repeats=1, mp_policy=_MP_POLICY())
@@ -479,12 +468,6 @@ def test_mixed_precision_casts_the_inputs_of_the_default_units():
     with pytest.raises(planner.ModelRunError, match="Float and BFloat16"):  # uncast, as FSDP2
         planner.profile(model, x, repeats=1, mp_policy=_MP_POLICY(), fsdp_units=["inp"])
 
-
-def _forward(model, x):
-    h = model.inp(x)
-    for layer in model.layers:
-        h = layer(h, model.pe)
-    return h.float().pow(2).mean()
 
 
 @pytest.mark.parametrize("fsdp", [True, False])
