@@ -139,6 +139,7 @@ def _worker(rank: int, port: int, name: str, out: str) -> None:
         }
         if rank == 0:
             Path(out).write_text(json.dumps(row))
+        dist.barrier()  # else gloo's teardown at times aborts a rank ("terminate called ...")
     finally:
         dist.destroy_process_group()
 

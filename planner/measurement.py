@@ -243,10 +243,11 @@ def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
     """Peak (above what existed before) and retained-after-forward bytes from memory events.
 
     Under torch.distributed (gloo), some frees run on gloo's worker threads, which the profiler
-    does not record: a step then reads as ending above where it started, by exactly the tensors
-    whose frees it missed, and its running sum is too high from there on. Memory does not grow
-    from step to step, so `DISTRIBUTED_STEPS` steps are profiled and the one that ends lowest
-    (then peaks lowest) is the one whose events are complete."""
+    does not record: a step then reads as ending above where it started, by the tensors whose
+    frees it missed, and its running sum is too high from the first missed free on. A missed
+    free can only raise a step's reading, and every step holds the same memory (the same draw),
+    so `DISTRIBUTED_STEPS` steps are profiled and the lowest reading of each is the step's
+    (a step whose frees were all recorded, or were missed after its peak, reads exactly)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     def marker():
@@ -254,17 +255,16 @@ def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
             pass
 
     dist = torch.distributed.is_available() and torch.distributed.is_initialized()
-    best = None
+    peaks, kept = [], []
     for _ in range(DISTRIBUTED_STEPS if dist else 1):
         same_draw()
         reset(module)  # with an optimizer, its zero_grad left them None after the step before
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             _step(module, args, kwargs, loss_fn, optimizer, marker, amp)
-        peak, retained, end = _peak_and_retained(prof, "ckpt_planner::forward_done", ends=True)
-        if best is None or (end, peak) < best[0]:
-            best = ((end, peak), peak, retained)
-    assert best is not None
-    return best[1], best[2]
+        peak, retained = _peak_and_retained(prof, "ckpt_planner::forward_done")
+        peaks.append(peak)
+        kept.append(retained)
+    return min(peaks), min(kept)
 
 
 def peak_of(prof: Any) -> int:
@@ -273,19 +273,23 @@ def peak_of(prof: Any) -> int:
     return _peak_and_retained(prof, "")[0]
 
 
-def _peak_and_retained(prof: Any, mark: str, ends: bool = False):
+def _peak_and_retained(prof: Any, mark: str) -> tuple[int, int]:
     """Walk the profiler's event tree: allocation events carry signed sizes (frees negative);
     their running sum in time order is the memory the step holds above its start. Returns
-    (peak, retained after `mark`), and with `ends` the net bytes at the end as well."""
+    (peak, retained after `mark`).
+
+    A free the profiler did not record (one run on a thread it does not follow) shows when the
+    block's address is allocated again: the block is dropped from the sum there, the latest it
+    can have been freed."""
     from torch._C._profiler import _EventType
 
-    events: list[tuple[int, int]] = []
+    events: list[tuple[int, int, int]] = []
     marks: list[int] = []
     todo = list(prof.profiler.kineto_results.experimental_event_tree())
     while todo:
         e = todo.pop()
         if e.tag == _EventType.Allocation:
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
         elif e.name == mark:
             marks.append(e.start_time_ns)
         todo.extend(e.children)
@@ -293,13 +297,17 @@ def _peak_and_retained(prof: Any, mark: str, ends: bool = False):
     mark_t = min(marks) if marks else None
     cur = peak = 0
     retained = None
-    for t, delta in events:
+    live: dict[int, int] = {}  # address -> bytes of the blocks allocated in the step
+    for t, delta, ptr in events:
         if mark_t is not None and retained is None and t > mark_t:
             retained = cur
+        if delta > 0:
+            cur -= live.pop(ptr, 0)  # its free was not recorded
+            live[ptr] = delta
+        else:
+            live.pop(ptr, None)
         cur += delta
         peak = max(peak, cur)
-    if ends:
-        return peak, retained if retained is not None else cur, cur
     return peak, retained if retained is not None else cur
 
 

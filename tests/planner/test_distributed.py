@@ -50,6 +50,7 @@ def _group(rank: int, port: int):
     try:
         torch.set_num_threads(1)
         yield
+        dist.barrier()  # else gloo's teardown at times aborts a rank ("terminate called ...")
     finally:
         dist.destroy_process_group()
 
