@@ -20,11 +20,14 @@ memory measured on 2 gloo ranks in `tests/planner/test_distributed.py`):
   with parameters and inputs cast to ``param_dtype``) the all-gathered parameters and unsharded
   gradients are in ``param_dtype``, as recorded; the shards, sharded gradients and optimizer
   state in the parameters' own ``orig_dtype``; the reduce-scatter input and output in
-  ``reduce_dtype`` (its output cast to ``orig_dtype`` where they differ).
+  ``reduce_dtype`` (its output cast to ``orig_dtype`` where they differ). Where ``param_dtype``
+  differs from ``orig_dtype`` each all-gather's input is the rank's shards cast into one flat
+  tensor, alive while the collective runs, beside the all-gather buffer.
   FSDP2 shards each parameter along its first dimension, padded to a multiple of N rows
   (`Node.rows`): a parameter of one row (a ViT's class token) is held whole on every rank, and the
   all-gathered and reduce-scattered buffers carry the padding too. On gloo (CPU) each
-  all-gather also holds a temporary of its output's size while it runs (``gloo=True``).
+  all-gather also holds a temporary of its output's size while it runs, and each reduce-scatter
+  a copy of its input (``gloo=True``).
 
 `per_rank` writes these events into the profile as nodes (ops named ``fsdp.*``, taking no time,
 belonging to no module), so that the simulator and every solver price them like any other
@@ -71,8 +74,8 @@ def per_rank(profile: Profile, *, world_size: int, sharding: str,
     profile of one process's step on one rank's micro-batch. With ``fsdp``, `units` are the
     modules `fully_shard` is applied to before the root (default: `default_units`). `gloo`: the
     ranks communicate over gloo (CPU), whose all-gather copies its output through a temporary
-    of the same size (flattened, then copied out), counted as the all-gather's workspace; NCCL
-    writes into the output directly."""
+    of the same size (flattened, then copied out) and whose reduce-scatter reduces a copy of its
+    input, each counted as the collective's workspace; NCCL works in the buffers themselves."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ProfileError(f"world_size is {world_size!r}, expected a positive integer")
     if sharding not in SHARDINGS:
@@ -164,6 +167,9 @@ def _fsdp(p: Profile, world: int, units: list[str], gloo: bool = False) -> Profi
     mp = p.meta.fsdp_mixed_precision
     q, o, r = (DTYPE_BYTES[mp[k]] for k in ("param_dtype", "orig_dtype", "reduce_dtype")) \
         if mp else (1, 1, 1)
+    # Parameters cast for the step: each all-gather first copies the rank's shards into one
+    # flat tensor in param_dtype, its input, which lives until the collective has run.
+    casts = bool(mp) and mp["param_dtype"] != mp["orig_dtype"]
     starts = [a for a, _, _ in spans]
     nodes = p.nodes
     sizes = list(p.storage_bytes)
@@ -223,10 +229,16 @@ def _fsdp(p: Profile, world: int, units: list[str], gloo: bool = False) -> Profi
         return len(sizes) - 1
 
     def emit(name: str, phase: str, alloc: tuple[int, ...] = (), release: tuple[int, ...] = (),
-             gathers: int | None = None) -> None:
-        """A collective's node; `gathers`: the all-gather buffer it fills (gloo's temporary)."""
+             gathers: int | None = None, scatters: int | None = None) -> None:
+        """A collective's node; `gathers`: the all-gather buffer it fills, `scatters`: the
+        reduce-scatter input it reads (each with gloo's temporary of its size)."""
         label = name.split("(")[0]
-        temp = sizes[gathers] if gloo and gathers is not None and world > 1 else 0
+        temp = 0
+        if gathers is not None:
+            temp += sizes[gathers] if gloo and world > 1 else 0
+            temp += _shard(sizes[gathers], world) if casts else 0
+        if scatters is not None:
+            temp += sizes[scatters] if gloo and world > 1 else 0
         out.append(Node(name=name, op=label, phase=phase, new_storages=alloc,
                         storage=alloc[0] if alloc else None, releases=release,
                         workspace_bytes=temp))
@@ -258,12 +270,12 @@ def _fsdp(p: Profile, world: int, units: list[str], gloo: bool = False) -> Profi
                  release=tuple(sorted(set(grad_storages[u]))))
             if r != o:  # the reduced shard, in reduce_dtype, is cast to orig_dtype
                 reduced = storage(_shard(grad_bytes[u] * r // q, world))
-                emit(f"fsdp.reduce_output({tag})", "backward", alloc=(reduced,))
+                emit(f"fsdp.reduce_output({tag})", "backward", alloc=(reduced,), scatters=rs_in)
                 emit(f"fsdp.sharded_grads({tag})", "backward",
                      alloc=(storage(_shard(grad_bytes[u] * o // q, world)),), release=(reduced,))
             else:
                 emit(f"fsdp.sharded_grads({tag})", "backward",
-                     alloc=(storage(_shard(grad_bytes[u] * o // q, world)),))
+                     alloc=(storage(_shard(grad_bytes[u] * o // q, world)),), scatters=rs_in)
             new_grads.append(out[-1].name)
             rs_held = rs_in
 

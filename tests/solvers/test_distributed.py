@@ -206,17 +206,50 @@ def test_fsdp_pads_each_parameter_to_a_multiple_of_the_ranks(gpt2):
         assert gathered[2] - _sizes(plain, "fsdp.all_gather")[2] == extra
 
 
-def test_gloo_all_gathers_through_a_temporary_of_their_output(gpt2):
-    """gloo (CPU) flattens an all-gather's output into a temporary and copies it out: each
-    all-gather holds its buffer's size once more while it runs (measured on 2 gloo ranks,
-    `tests/planner/test_distributed.py`); NCCL writes the output directly."""
+def test_gloo_collectives_work_through_temporaries(gpt2):
+    """gloo (CPU) flattens an all-gather's output into a temporary and copies it out, and
+    reduce-scatters by reducing a copy of the whole input: each all-gather holds its buffer's
+    size once more while it runs, each reduce-scatter its input's (measured on 2 gloo ranks,
+    `tests/planner/test_distributed.py`); NCCL works in the buffers themselves."""
     nccl = per_rank(gpt2, world_size=4, sharding="fsdp")
     gloo = per_rank(gpt2, world_size=4, sharding="fsdp", gloo=True)
-    for a, b in zip(nccl.nodes, gloo.nodes, strict=True):
+    scatters = 0
+    for k, (a, b) in enumerate(zip(nccl.nodes, gloo.nodes, strict=True)):
         if a.op in ("fsdp.all_gather", "fsdp.prefetch"):
             assert a.workspace_bytes == 0 and b.workspace_bytes == gloo.storage_bytes[b.storage]
+        elif a.op == "fsdp.sharded_grads":  # the reduce-scatter's output, its input just before
+            rs = gloo.nodes[k - 1]
+            assert rs.op == "fsdp.reduce_scatter" and a.workspace_bytes == 0
+            assert b.workspace_bytes == gloo.storage_bytes[rs.storage] > 0
+            scatters += 1
         else:
             assert b.workspace_bytes == a.workspace_bytes, a.name
+    assert scatters == len(default_units(gpt2)) + 1  # each unit's and the root's gradients
     assert simulate(gloo).peak_bytes >= simulate(nccl).peak_bytes
     one = per_rank(gpt2, world_size=1, sharding="fsdp", gloo=True)  # nothing to gather
     assert all(n.workspace_bytes == 0 for n in one.nodes if n.op.startswith(COLLECTIVE_PREFIX))
+
+
+def test_cast_parameters_are_gathered_from_a_flat_copy_of_the_shards(gpt2):
+    """Where FSDP2 casts parameters (param_dtype differs from theirs), each all-gather's input is
+    the rank's shards copied into one flat tensor of param_dtype, alive while the collective
+    runs: 1/N of what it gathers, beside gloo's temporary where there is one."""
+    world = 4
+    cast = per_rank(_mixed(gpt2), world_size=world, sharding="fsdp")
+    same = per_rank(_mixed(gpt2, orig_dtype="bfloat16", reduce_dtype="bfloat16"), world_size=world,
+                    sharding="fsdp")
+    both = per_rank(_mixed(gpt2), world_size=world, sharding="fsdp", gloo=True)
+    gathers = 0
+    for a, b, c in zip(cast.nodes, same.nodes, both.nodes, strict=True):
+        gathering = a.op in ("fsdp.all_gather", "fsdp.prefetch") or (
+            a.op == "fsdp.unshard" and len(a.new_storages) == 2)
+        if not gathering:
+            assert a.workspace_bytes == b.workspace_bytes == 0, a.name
+            continue
+        gathers += 1
+        gathered = cast.storage_bytes[a.storage]
+        assert a.workspace_bytes == -(-gathered // world), a.name
+        assert b.workspace_bytes == 0, a.name  # parameters already in param_dtype: no copy
+        assert c.workspace_bytes == a.workspace_bytes + gathered, a.name
+    units = len(default_units(gpt2))
+    assert gathers == 1 + 2 * units  # the root's; each unit's in forward and in backward
