@@ -205,10 +205,11 @@ def _once_each(fn, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
     replay another path than its forward took."""
     where: list[int] = []
     kept: list[Any] = []
-    first: dict[int, int] = {}
     for a in args:
         if isinstance(a, torch.Tensor):
-            k = first.setdefault(id(a), len(kept))
+            # `is`, not `id()`: dynamo resolves identity while tracing, but guards an `id()` of
+            # a compiled frame's input on that object, recompiling on every call
+            k = next((j for j, b in enumerate(kept) if b is a), len(kept))
             if k == len(kept):
                 kept.append(a)
             where.append(k)

@@ -72,6 +72,11 @@ def _check(build, method: str, backend: str, per_block: bool):
     assert not counters["graph_break"], dict(counters["graph_break"])
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    # later steps reuse the graphs (a guard on the identity of a block's input would compile
+    # every step again, and fail at dynamo's recompile limit under fullgraph=True)
+    graphs = counters["stats"]["unique_graphs"]
+    _train(compiled, inputs, loss_fn, steps=2 * STEPS, owner=model)
+    assert counters["stats"]["unique_graphs"] == graphs
     return p
 
 

@@ -506,3 +506,63 @@ def test_a_per_rank_plan_report_checks_the_recording_it_was_made_from(fsdp):
     assert p.profile.meta.sharding == ("fsdp" if fsdp else "ddp")
     assert p.local_profile.meta.measured_peak_bytes is not None
     assert "WARNING" not in p.report()
+
+
+def _compiled_worker(rank: int, port: int, out_dir: str) -> None:
+    with _group(rank, port):
+        from torch._dynamo.utils import counters
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        import planner
+        from planner.capture.record import default_loss
+        from tests import zoo
+        from tests.zoo import call
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        res = {}
+        for compiled in (False, True):
+            case = zoo.llama_padded()
+            model = case.model
+            p = planner.plan(model, budget_gb=1, example_inputs=case.inputs,
+                             loss_fn=case.loss_fn, fsdp=True, repeats=1, method="per_block")
+            units = p.profile.meta.shard_units
+            assert {r.module for r in p.schedule.regions} == set(units)  # regions = the units
+            mods = dict(model.named_modules())
+            torch._dynamo.reset()
+            counters.clear()
+            if compiled:  # torchtitan's order: checkpointing, compile per block, then FSDP2
+                for u in units:
+                    mods[u].compile(backend="aot_eager", fullgraph=True)
+            for u in units:
+                fully_shard(mods[u], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            graphs = []
+            for step in range(2 * STEPS):
+                torch.manual_seed(step)
+                opt.zero_grad(set_to_none=True)
+                (case.loss_fn or default_loss)(call(model, case.inputs)).backward()
+                opt.step()
+                graphs.append(counters["stats"]["unique_graphs"])
+            res[compiled] = {
+                "weights": {n: q.full_tensor().detach().clone()
+                            for n, q in model.named_parameters()},
+                "graphs": graphs, "breaks": sum(counters["graph_break"].values())}
+        torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+
+
+def test_a_plan_compiled_per_block_trains_under_fsdp2():
+    """Regions on the FSDP2 units, each unit compiled with ``fullgraph=True`` before
+    `fully_shard` (torchtitan's order): no graph break, each step reuses the first step's
+    graphs, and 6 steps on 2 ranks train as the uncompiled plan does (aot_eager)."""
+    with tempfile.TemporaryDirectory() as out:
+        _spawn(_compiled_worker, _free_port(), out)
+        res = [torch.load(Path(out) / f"rank{r}.pt") for r in range(WORLD)]
+    for r in res:
+        eager, compiled = r[False], r[True]
+        assert compiled["breaks"] == 0
+        assert compiled["graphs"][0] > 0 and len(set(compiled["graphs"])) == 1
+        for name, w in eager["weights"].items():
+            torch.testing.assert_close(compiled["weights"][name], w, rtol=1e-5, atol=1e-6,
+                                       msg=name)
