@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import types
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.schedule import Region, Schedule, policy_op
 
 __all__ = ["AppliedPlan", "CheckpointedForward", "PlanOutdatedWarning", "SegmentedForward",
-           "StagedForward", "applied", "apply_schedule", "applying", "remove"]
+           "StagedForward", "applied", "apply_schedule", "applying", "remove", "wrapper_of"]
 
 _ATTR = "_ckpt_planner_applied"
 
@@ -294,9 +295,9 @@ class CheckpointedForward:
     """A module's `forward`, run under non-reentrant checkpoint as its region says.
 
     An object rather than a closure so that `copy.deepcopy(model)` gives the copy a wrapper of
-    its own module (a closure would keep running the original's), and so that
-    `inspect.signature(module.forward)` still shows the original signature (`__wrapped__`), which
-    HF's `Trainer` reads to drop unused columns.
+    its own module (a closure would keep running the original's) and pickling keeps it; set on
+    the root, `inspect.signature(model.forward)` still shows the original signature
+    (`__wrapped__`), which HF's `Trainer` reads to drop unused columns.
     """
 
     def __init__(self, module: torch.nn.Module, region: Region, root: torch.nn.Module,
@@ -507,7 +508,7 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
     wrapped: dict[str, CheckpointedForward | SegmentedForward | StagedForward] = {}
     for path, (module, regions) in targets.items():
         previous = module.__dict__.get("forward")
-        if isinstance(previous, CheckpointedForward | SegmentedForward | StagedForward):
+        if wrapper_of(module) is not None:
             raise CkptPlannerError(f"module {path!r} is already checkpointed by ckpt-planner")
         if regions[0].segment is not None:
             if previous is not None:
@@ -525,7 +526,13 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
                 regions[0], preserve_rng=any(x.preserve_rng for x in regions),
                 buffers=tuple(sorted({b for x in regions for b in x.buffers})))
             wrapper = CheckpointedForward(module, r, model, previous)
-        module.__dict__["forward"] = wrapper
+        # A submodule gets the wrapper's bound `__call__`: dynamo guards a forward set on an
+        # instance by the code of a method's function, by identity otherwise, so with the
+        # object itself every block compiled per block (`block.compile()`) would compile a
+        # graph of its own and a model of more blocks than dynamo's cache holds would fail
+        # under fullgraph=True. The root keeps the object, whose `__wrapped__` shows the
+        # model's signature (HF's Trainer reads it).
+        module.__dict__["forward"] = wrapper if module is model else wrapper.__call__
         wrapped[path] = wrapper
     plan = AppliedPlan(schedule=schedule, wrapped=wrapped)
     largest = max(model.parameters(), key=lambda p: p.numel(), default=None)
@@ -539,6 +546,17 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
     if schedule.regions:
         _let_dynamo_trace_regions()
     return model
+
+
+def wrapper_of(module: torch.nn.Module) -> CheckpointedForward | SegmentedForward | \
+        StagedForward | None:
+    """The ckpt-planner wrapper set as `module`'s forward (the object, or its bound `__call__`),
+    or None."""
+    fwd = module.__dict__.get("forward")
+    if isinstance(fwd, types.MethodType):
+        fwd = fwd.__self__
+    return fwd if isinstance(fwd, CheckpointedForward | SegmentedForward | StagedForward) \
+        else None
 
 
 def _let_dynamo_trace_regions() -> None:
@@ -808,7 +826,7 @@ def remove(model: torch.nn.Module) -> torch.nn.Module:
     _unwatch(model)
     for wrapper in plan.wrapped.values():
         module = wrapper.module
-        if module.__dict__.get("forward") is wrapper:
+        if wrapper_of(module) is wrapper:
             if wrapper.previous is None:
                 del module.__dict__["forward"]
             else:

@@ -106,6 +106,33 @@ def test_cnn_with_batchnorm_compiles_per_block(method):
     assert any(r.buffers for r in p.schedule.regions)
 
 
+def test_blocks_with_the_same_regions_share_their_compiled_graphs():
+    """12 decoder layers planned at 60% of their activations (regions inside the layers), each
+    layer compiled with ``fullgraph=True``: layers whose regions are alike share a graph, as
+    unplanned ones do, so the model compiles fewer graphs than it has layers and never reaches
+    dynamo's recompile limit (8), and trains like the uncompiled planned model."""
+    from tests.models import hf_llama
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, x = hf_llama(batch=2, seq=32, layers=12, hidden=64, heads=4, kv_heads=2,
+                        intermediate=128, vocab=256)
+    prof = planner.profile(model, x, repeats=1)
+    n, f = simulate(prof).peak_bytes, prof.fixed_bytes
+    p = planner.plan_from_profile(model, prof, budget_bytes=int(f + 0.6 * (n - f)))
+    inside = {r.module.rsplit(".", 1)[0] for r in p.schedule.regions
+              if r.module.count(".") > 2}  # model.layers.i.<submodule>
+    assert len(inside) > 8, [r.module for r in p.schedule.regions]
+    twin = copy.deepcopy(model)
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+    want, got = _train(twin, x), _train(model, x)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert 0 < counters["stats"]["unique_graphs"] < len(model.model.layers)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 @pytest.mark.parametrize("build", ["resnet_bn", "deep_narrow_cnn"])
 def test_nested_segments_of_one_forward_compile(build):
     """The plan at the smallest peak nests runs of one forward (a residual block's traced

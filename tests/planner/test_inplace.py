@@ -19,7 +19,13 @@ from torch import nn
 import planner
 from planner.api import SLACK_BYTES, plan_from_profile, region_label
 from planner.capture.record import default_loss
-from planner.inplace import CheckpointedForward, SegmentedForward, applied, apply_schedule
+from planner.inplace import (
+    CheckpointedForward,
+    SegmentedForward,
+    applied,
+    apply_schedule,
+    wrapper_of,
+)
 from planner.measurement import measure
 from solvers.chain import candidate_calls, region
 from solvers.errors import CkptPlannerError, ScheduleError
@@ -106,7 +112,7 @@ def test_plan_returns_the_users_model_and_remove_restores_it():
     p = planner.plan(model, budget_bytes=_half(model, x), example_inputs=x, repeats=1)
     assert p.module is model and type(model) is cls
     assert list(model.state_dict()) == keys
-    assert p.schedule.regions and all(isinstance(model.get_submodule(r.module).forward,
+    assert p.schedule.regions and all(isinstance(wrapper_of(model.get_submodule(r.module)),
                                                  CheckpointedForward | SegmentedForward)
                                       for r in p.schedule.regions)
     l1, g1 = loss_and_grads(model, x)
@@ -173,8 +179,8 @@ def test_deepcopy_of_a_planned_model_trains_its_own_parameters(zoo):
     _, g_model = loss_and_grads(model, x)
     assert any(not torch.allclose(g_twin[k], g_model[k]) for k in g_model)
     assert applied(twin) is not None
-    wrapped = [m.forward.module for m in twin.modules()
-               if isinstance(m.__dict__.get("forward"), CheckpointedForward)]
+    wrapped = [wrapper_of(m).module for m in twin.modules()
+               if isinstance(wrapper_of(m), CheckpointedForward)]
     assert wrapped and all(any(w is m for m in twin.modules()) for w in wrapped)
 
 
@@ -606,7 +612,7 @@ def test_a_module_called_in_a_loop_is_checkpointed_at_every_call():
         modules = [r.module for r in p.schedule.regions]
         assert modules.count("block") == 4, modules  # every call, or none
         assert "block (each of its 4 calls)" in p.report()
-        assert isinstance(model.block.__dict__["forward"], CheckpointedForward)
+        assert isinstance(wrapper_of(model.block), CheckpointedForward)
         v = p.verify(repeats=1)
         assert v.max_grad_rel_err <= 1e-5
         assert v.measured_peak_bytes <= budget

@@ -18,7 +18,7 @@ import torch
 import planner
 from planner.api import SLACK_BYTES
 from planner.capture.record import default_loss
-from planner.inplace import SegmentedForward, StagedForward, apply_schedule, remove
+from planner.inplace import SegmentedForward, StagedForward, apply_schedule, remove, wrapper_of
 from planner.measurement import measure
 from solvers import Region, Schedule, ScheduleError
 from solvers.chain import bind, candidate_calls, region, useful_calls
@@ -276,7 +276,7 @@ def test_segments_of_one_forward_nest(name, wrapper):
     try:
         assert p.schedule.regions == best.regions
         for m in nested:
-            assert isinstance(model.get_submodule(m).__dict__["forward"], wrapper)
+            assert isinstance(wrapper_of(model.get_submodule(m)), wrapper)
         grads = _grads(model, x)
         v = p.verify(repeats=1)
     finally:
