@@ -302,11 +302,20 @@ def nest(lo: int, hi: int, segments: list[tuple[int, int, Any]]) -> tuple:
 
 
 def _compile(g: fx.Graph, module: torch.nn.Module) -> Callable[..., Any]:
-    """Python for graph `g`, `self` bound to `module` (live attribute reads, no copies)."""
+    """Python for graph `g`, `self` bound to `module` (live attribute reads, no copies).
+
+    Modules whose graphs print the same source share one code object: dynamo guards the
+    function a compiled block calls by its code, so alike blocks compiled one by one
+    (`block.compile()`) then share one graph."""
     code = g.python_code(root_module="self")
     scope = dict(code.globals)
-    exec(compile(code.src, f"<ckpt-planner staged {type(module).__name__}>", "exec"), scope)
+    exec(_code_of(code.src, f"<ckpt-planner staged {type(module).__name__}>"), scope)
     return functools.partial(scope["forward"], module)
+
+
+@functools.cache
+def _code_of(src: str, filename: str) -> Any:
+    return compile(src, filename, "exec")
 
 
 def _segment_call(fn: Callable[..., Any], runner: Callable, i: int, j: int
