@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gloo_ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 CASES = ["gpt2_padded", "llama_padded", "qwen2", "bert", "t5", "bart", "whisper",
@@ -83,23 +81,6 @@ def _worker(rank: int, port: int, name: str, frac: float, float32: bool, out: st
         dist.destroy_process_group()
 
 
-def _run(name: str, frac: float, float32: bool, timeout_s: float = 600) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "row.json")
-        ctx = mp.start_processes(_worker, args=(port, name, frac, float32, out), nprocs=WORLD,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                raise TimeoutError(f"{name}: workers did not finish in {timeout_s} s")
-        return json.loads(Path(out).read_text())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="*", default=CASES)
@@ -111,7 +92,7 @@ def main() -> None:
     for name in args.cases:
         for frac in (float(f) for f in args.fractions.split(",")):
             try:
-                rows.append(_run(name, frac, args.float32))
+                rows.append(run_ranks(_worker, (name, frac, args.float32), WORLD, name))
             except Exception as e:  # noqa: BLE001 - reported in the table
                 rows.append({"case": name, "fraction": frac,
                              "error": f"{type(e).__name__}: {str(e)[-300:]}"})

@@ -17,18 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gloo_ranks import run_ranks  # noqa: E402
 
 WORLD = 2
 CASES = ["gpt2_padded", "llama_padded", "bert", "t5", "peft_lora_llama", "vit", "mixtral"]
@@ -144,23 +143,6 @@ def _worker(rank: int, port: int, name: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _run(name: str, timeout_s: float = 600) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as d:
-        out = str(Path(d) / "row.json")
-        ctx = mp.start_processes(_worker, args=(port, name, out), nprocs=WORLD, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                raise TimeoutError(f"{name}: workers did not finish in {timeout_s} s")
-        return json.loads(Path(out).read_text())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="*", default=CASES)
@@ -169,7 +151,7 @@ def main() -> None:
     rows = []
     for name in args.cases:
         try:
-            rows.append(_run(name))
+            rows.append(run_ranks(_worker, (name,), WORLD, name))
         except Exception as e:  # noqa: BLE001 - reported in the table
             rows.append({"case": name, "error": f"{type(e).__name__}: {str(e)[-300:]}"})
         print(json.dumps(rows[-1]), flush=True)

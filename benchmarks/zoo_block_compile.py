@@ -26,22 +26,6 @@ CASES = ["gpt2_padded", "llama_padded", "mistral", "qwen2", "bloom_padded", "mix
          "peft_lora_llama", "moe_top2", "value_branch"]
 
 
-def _step(module, inputs, loss_fn, owner):
-    from planner.capture.record import default_loss
-    from tests.zoo import call
-
-    for p in owner.parameters():
-        p.grad = None
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        loss = (loss_fn or default_loss)(call(module, inputs))
-        loss.backward()
-    grads = {k: p.grad.clone() for k, p in owner.named_parameters() if p.grad is not None}
-    for p in owner.parameters():
-        p.grad = None
-    return loss.detach(), grads
-
-
 def _run(name: str, planned: bool) -> str:
     from torch._dynamo.utils import counters
 
@@ -51,6 +35,7 @@ def _run(name: str, planned: bool) -> str:
     from solvers.simulate import simulate
     from solvers.solve import smallest_peak
     from tests.zoo import CASES as ZOO
+    from tests.zoo import loss_and_grads
 
     torch.manual_seed(0)
     case = ZOO[name]()
@@ -72,8 +57,8 @@ def _run(name: str, planned: bool) -> str:
     graphs, loss_diff, grad_err = [], 0.0, 0.0
     batches = [case.inputs] * 3 + ([case.small_inputs] * 2 if case.small_inputs else [])
     for inputs in batches:
-        l0, want = _step(twin, inputs, case.loss_fn, twin)
-        l1, got = _step(model, inputs, case.loss_fn, model)
+        l0, want = loss_and_grads(twin, inputs, case.loss_fn, twin)
+        l1, got = loss_and_grads(model, inputs, case.loss_fn, model)
         loss_diff = max(loss_diff, float((l1 - l0).abs()))
         for k in want:
             grad_err = max(grad_err, ((got[k] - want[k]).abs().max()

@@ -118,6 +118,25 @@ def call(model: nn.Module, inputs: Any) -> Any:
 # -- helpers -----------------------------------------------------------------------------------
 
 
+
+def loss_and_grads(module: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                   owner: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step of `module` (the model or a compiled wrapper of it) on `inputs` under seed 0:
+    the loss and `owner`'s gradients, which are cleared before and after."""
+    from planner.capture.record import default_loss
+
+    for p in owner.parameters():
+        p.grad = None
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        loss = (loss_fn or default_loss)(call(module, inputs))
+        loss.backward()
+    grads = {k: p.grad.clone() for k, p in owner.named_parameters() if p.grad is not None}
+    for p in owner.parameters():
+        p.grad = None
+    return loss.detach(), grads
+
+
 def _lm_inputs(vocab: int, batch: int, seq: int, lengths: list[int] | None = None, side="right"):
     """Causal-LM keyword inputs. With `lengths`, row i has `lengths[i]` real tokens and padding
     (token 0) after them (``side="right"``) or before them (``side="left"``): ``attention_mask`` is

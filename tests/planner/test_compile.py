@@ -20,7 +20,7 @@ from planner.measurement import measure
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak, solve
 from tests.models import call, resnet_bn
-from tests.zoo import CASES
+from tests.zoo import CASES, loss_and_grads
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -485,20 +485,6 @@ whose plan nests regions, value-dependent Python (a graph break). Llama padded, 
 top-2 MoE pass too (run by hand); they are left out for CI's time."""
 
 
-def _zoo_step(module, inputs, loss_fn, owner):
-    """One step of `module` (the model or its compiled wrapper): loss and `owner`'s gradients."""
-    for p in owner.parameters():
-        p.grad = None
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        loss = (loss_fn or default_loss)(call(module, inputs))
-        loss.backward()
-    grads = {k: p.grad.clone() for k, p in owner.named_parameters() if p.grad is not None}
-    for p in owner.parameters():
-        p.grad = None
-    return loss.detach(), grads
-
-
 @pytest.mark.parametrize("name", ZOO_BELOW_ONE)
 def test_zoo_plans_compile_below_one_and_train_like_eager(name):
     """Planned at half its activation memory (or its floor) and compiled whole with
@@ -524,8 +510,8 @@ def test_zoo_plans_compile_below_one_and_train_like_eager(name):
             torch._dynamo.reset()
             compiled = torch.compile(model, backend=backend)
             for inputs in batches:
-                l0, want = _zoo_step(model, inputs, case.loss_fn, model)
-                l1, got = _zoo_step(compiled, inputs, case.loss_fn, model)
+                l0, want = loss_and_grads(model, inputs, case.loss_fn, model)
+                l1, got = loss_and_grads(compiled, inputs, case.loss_fn, model)
                 torch.testing.assert_close(l1, l0)
                 assert want and got.keys() == want.keys()
                 for k in want:
