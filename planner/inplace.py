@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -136,6 +137,71 @@ def _selective_contexts(save_ops: str):
             else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def _replayable(rec: Any) -> Any:
+    """`rec`, torch's selective replay mode, able to replay again: in a second backward through
+    the same graph (``retain_graph=True``, or a gradient penalty's ``create_graph=True`` gradient
+    followed by ``backward()``) torch raises "backward an extra time", since the kept outputs were
+    handed out in the first. Here an output already handed out is computed again instead: the
+    replay restores the forward's RNG state, so running every op reproduces the forward. Kept
+    outputs are still released at the first replay, as torch does (the simulator counts that).
+    Torch versions whose mode stores outputs otherwise keep torch's behaviour."""
+    ckpt = torch.utils.checkpoint
+    consumed = getattr(ckpt, "_CONSUMED", None)
+    key_of = getattr(ckpt, "_sac_storage_key", None)
+    ignored = getattr(ckpt, "SAC_IGNORED_OPS", None)
+    if consumed is None or key_of is None or ignored is None or \
+            not isinstance(getattr(rec, "func_counter", None), dict):
+        return rec
+    return _ReplayAgain(rec, consumed, key_of, ignored)
+
+
+class _ReplayAgain(TorchDispatchMode):
+    """See `_replayable`."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, rec: Any, consumed: Any, key_of: Any, ignored: Any) -> None:
+        super().__init__()
+        self.rec, self._consumed, self._key_of, self._ignored = rec, consumed, key_of, ignored
+
+    def __enter__(self):
+        self.rec.func_counter.clear()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self._ignored:
+            key = self._key_of(func, args)
+            storage = self.rec.storage.get(key)
+            if storage is not None and \
+                    storage.get(self.rec.func_counter[key]) is self._consumed:
+                self.rec.func_counter[key] += 1
+                return func(*args, **(kwargs or {}))
+        return self.rec.__torch_dispatch__(func, types, args, kwargs)
+
+
+class _ReplayContext:
+    """The context a region's replay runs in: buffer copies (if the region updates buffers), then
+    the selective replay mode. An object, not a generator, because every backward through the
+    graph that replays the region enters it again (``retain_graph=True``)."""
+
+    def __init__(self, slots: list[tuple[torch.nn.Module, str]], rec: Any) -> None:
+        self._slots, self._rec = slots, rec
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        with stack:  # copies first: the selective replay must not see the clones among its ops
+            if self._slots:
+                stack.enter_context(_buffer_copies(self._slots))
+            stack.enter_context(self._rec)
+            self._stacks.append(stack.pop_all())
+
+    def __exit__(self, *exc: Any) -> bool:
+        return bool(self._stacks.pop().__exit__(*exc))
 
 
 @contextlib.contextmanager
@@ -264,18 +330,10 @@ class _RegionRunner:
         return new
 
     def _eager_context(self):
-        fwd, rec = (_selective_contexts(self._keys) if self._keys
-                    else (contextlib.nullcontext(), contextlib.nullcontext()))
-        if not self._slots:
-            return fwd, rec
-        slots = self._slots
-
-        @contextlib.contextmanager
-        def recompute():
-            with _buffer_copies(slots), rec:  # copies first: the selective replay must not see
-                yield                         # the clones among the ops it replays
-
-        return fwd, recompute()
+        if not self._keys:
+            return contextlib.nullcontext(), _ReplayContext(self._slots, contextlib.nullcontext())
+        fwd, rec = _selective_contexts(self._keys)
+        return fwd, _ReplayContext(self._slots, _replayable(rec))
 
     def run(self, fn, *args: Any) -> Any:
         fn, args = _once_each(fn, args)

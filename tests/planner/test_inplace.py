@@ -672,3 +672,50 @@ def test_a_saved_attention_output_is_kept_whichever_fused_kernel_runs(saved_as, 
     finally:
         planner.remove(model)
     assert count.calls == replays
+
+
+@pytest.mark.parametrize("save_ops", [(), ("aten.addmm.default#0",)])
+@pytest.mark.parametrize("kind", ["retain_graph", "gradient_penalty"])
+def test_a_second_backward_through_the_graph_replays_the_regions_again(kind, save_ops):
+    """``loss.backward(retain_graph=True)`` then ``backward()`` again, or a gradient penalty
+    (``torch.autograd.grad(..., create_graph=True)``, then ``backward()``), replays each region
+    once per backward. The replay context is entered each time (it used to be a generator,
+    which enters once), and the outputs a selective region keeps, handed out in the first
+    replay, are computed again in the second (torch refuses: "backward an extra time").
+    Gradients, BatchNorm statistics and the penalty equal the unplanned model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Dropout(0.2),
+                      nn.Linear(64, 16)),
+        nn.Linear(16, 1))
+    x = torch.randn(32, 16)
+    call0 = {c.module: c for c in planner.profile(model, x, repeats=1).calls}["0"]
+    assert call0.buffers
+    regions = (Region(start=call0.start, end=call0.end, module="0", buffers=call0.buffers,
+                      save_ops=save_ops, preserve_rng=True),)
+    twin = copy.deepcopy(model)
+
+    def step(m: nn.Module) -> dict[str, torch.Tensor]:
+        for p in m.parameters():
+            p.grad = None
+        torch.manual_seed(1)
+        xi = x.clone().requires_grad_(kind == "gradient_penalty")
+        loss = m(xi).square().mean()
+        if kind == "retain_graph":
+            loss.backward(retain_graph=True)
+            loss.backward()
+        else:
+            (g,) = torch.autograd.grad(loss, xi, create_graph=True)
+            (loss + g.square().sum()).backward()
+        return {**{k: p.grad.clone() for k, p in m.named_parameters()},
+                **{k: b.clone() for k, b in m.named_buffers()}}
+
+    expected = step(twin)
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        got = step(model)
+    finally:
+        planner.remove(model)
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6, msg=k)
