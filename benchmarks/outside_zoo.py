@@ -270,6 +270,84 @@ def _mobilevit() -> Case:
                 _images(2, 32), "vision")
 
 
+def _noise_mse(field: str) -> Callable[[Any], torch.Tensor]:
+    """Diffusion training's loss: MSE of the prediction against the step's noise, one fixed draw
+    per batch shape (the step draws its noise outside the model)."""
+    noise: dict[torch.Size, torch.Tensor] = {}
+
+    def loss(out: Any) -> torch.Tensor:
+        pred = getattr(out, field)
+        if pred.shape not in noise:
+            noise[pred.shape] = torch.randn(pred.shape, generator=torch.Generator().manual_seed(1))
+        return F.mse_loss(pred, noise[pred.shape])
+
+    return loss
+
+
+def _sd_unet() -> Case:
+    """diffusers' `UNet2DConditionModel` as Stable Diffusion fine-tuning trains it: latents,
+    timesteps and text embeddings in, cross-attention blocks, GroupNorm, SiLU, noise MSE."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        attention_head_dim=8, norm_num_groups=8, dropout=P)
+
+    def batch(rows: int, size: int, tokens: int) -> dict[str, Any]:
+        return {"sample": torch.randn(rows, 4, size, size),
+                "timestep": torch.randint(0, 1000, (rows,)),
+                "encoder_hidden_states": torch.randn(rows, tokens, 32)}
+
+    return Case(model.train(), batch(4, 16, 7), _noise_mse("sample"), batch(2, 8, 5), "diffusion")
+
+
+def _flux() -> Case:
+    """diffusers' `FluxTransformer2DModel`: double-stream blocks (image and text tokens
+    attended jointly), then single-stream blocks, RoPE from position ids, AdaLN modulation from
+    the timestep and pooled text."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+        guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+
+    def batch(rows: int, side: int, tokens: int) -> dict[str, Any]:
+        ids = torch.zeros(side, side, 3)
+        ids[..., 1] = torch.arange(side)[:, None]
+        ids[..., 2] = torch.arange(side)[None, :]
+        return {"hidden_states": torch.randn(rows, side * side, 16),
+                "encoder_hidden_states": torch.randn(rows, tokens, 32),
+                "pooled_projections": torch.randn(rows, 16), "timestep": torch.rand(rows),
+                "img_ids": ids.reshape(-1, 3), "txt_ids": torch.zeros(tokens, 3)}
+
+    return Case(model.train(), batch(4, 8, 7), _noise_mse("sample"), batch(2, 4, 5), "diffusion")
+
+
+def _vae() -> Case:
+    """diffusers' `AutoencoderKL` run as its training runs it, ``sample_posterior=True``: the
+    latent is drawn with `torch.randn` inside the forward, so a replay must draw it again. The
+    loss, MSE of the decoded image against a fixed draw, stands in for the reconstruction loss
+    (the loss function does not see the input)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    model = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(32, 64),
+        norm_num_groups=8)
+
+    def batch(rows: int, size: int) -> dict[str, Any]:
+        return {"sample": torch.randn(rows, 3, size, size), "sample_posterior": True}
+
+    return Case(model.train(), batch(4, 32), _noise_mse("sample"), batch(2, 16), "diffusion")
+
+
 _LM = dict(vocab_size=512, max_position_embeddings=128)
 CASES: dict[str, Callable[[], Case]] = {
     "opt": _decoder("OPTConfig", "OPTForCausalLM", **_LM, hidden_size=64, num_hidden_layers=3,
@@ -349,5 +427,8 @@ CASES: dict[str, Callable[[], Case]] = {
                       state_size=8, num_hidden_layers=3),
     "lstm": _lstm,
     "torch_transformer": _torch_transformer,
+    "sd_unet": _sd_unet,
+    "flux": _flux,
+    "vae_kl": _vae,
 }
 """Every builder, by name."""
