@@ -14,7 +14,7 @@ from collections import Counter
 from planner.capture.record import OpRecord, Recording, Staged
 from solvers.profile import FIXED_PHASES, ModuleCall, Node, Profile, ProfileMeta
 
-__all__ = ["call_blockers", "to_profile"]
+__all__ = ["call_blockers", "call_restores", "to_profile"]
 
 
 def _is_buffer(r: OpRecord) -> bool:
@@ -42,14 +42,13 @@ def call_blockers(rec: Recording) -> list[str]:
       would store it again.
     - A tensor with an autograd graph left in a plain attribute of a module inside the call
       (RecurrentGemma's recurrent state): the replay would store the recomputed one.
-    - A module buffer updated in place and read again later in the call (spectral norm's power
-      iteration): the replay runs on copies of the buffers as forward left them, so it would
-      start from the updated value and compute another weight. (BatchNorm reads its statistics
-      in the op that updates them, and its output does not depend on them in training.)
+
+    A module buffer updated in place and read again later in the call (spectral norm's power
+    iteration) does not block it either: the region keeps a copy of it from its forward and
+    replays from that copy (`call_restores`).
     """
     per_module = Counter(c.module for c in rec.calls)
     made_at, writes = _writes(rec)
-    rereads = _buffer_rereads(rec)
     out = []
     for c in rec.calls:
         reason = ""
@@ -57,11 +56,6 @@ def call_blockers(rec: Recording) -> list[str]:
             if c.start <= i <= c.end and made_at.get(s, -1) < c.start:
                 reason = f"writes in place to a tensor made before the call ({rec.ops[i].op})"
                 break
-        for i, j, name in rereads:
-            if not reason and c.start <= i and j <= c.end:
-                reason = (f"reads buffer {name!r} after updating it in place "
-                          f"({rec.ops[i].op}, as spectral norm's power iteration does): a "
-                          "replay would start from the updated value")
         for i, attr in rec.attribute_stores:
             if not reason and c.start <= i <= c.end:
                 reason = (f"stores a tensor it computes, with its autograd graph, on a module "
@@ -82,6 +76,18 @@ def call_blockers(rec: Recording) -> list[str]:
             for k in ks:
                 out[k] = f"called {n} times in one step, and one call {first}"
     return out
+
+
+def call_restores(rec: Recording) -> list[tuple[str, ...]]:
+    """For each call of `rec.calls`, the buffers it updates in place and reads again later inside
+    the call (spectral norm's power iteration updates ``_u`` and ``_v``, then computes the
+    weight from them): a replay must start from the values forward started from, not from
+    those forward left. (BatchNorm reads its statistics only in the op that updates them, and
+    its output does not depend on them in training: its replay runs on copies of the values
+    forward left, which costs nothing from forward to backward.)"""
+    rereads = _buffer_rereads(rec)
+    return [tuple(sorted({name for i, j, name in rereads if c.start <= i and j <= c.end}))
+            for c in rec.calls]
 
 
 def _read_by(rec: Recording, c) -> set[int]:
@@ -196,16 +202,20 @@ def to_profile(
             )
         )
     blockers = call_blockers(rec)
+    restores = call_restores(rec)
     made_at, writes = _writes(rec)
     buffer_name = {r.storage: r.name for r in rec.ops if _is_buffer(r)}
     fixed = {s for r in rec.ops if r.phase in FIXED_PHASES for s in r.new_storages}
     calls = []
-    for c, b in zip(rec.calls, blockers, strict=True):
-        st = rec.staged.get(c.module) if not b else None
+    for c, b, rs in zip(rec.calls, blockers, restores, strict=True):
+        # A call that restores buffers is not run through its trace: its regions are whole calls
+        # and Sequential segments, which `planner.inplace` snapshots.
+        st = rec.staged.get(c.module) if not b and not rs else None
         calls.append(ModuleCall(
             module=c.module, start=names[c.start], end=names[c.end], blocker=b,
             buffers=tuple(sorted({buffer_name[s] for r in rec.ops[c.start:c.end + 1]
                                   for s in r.writes if s in buffer_name})),
+            restores=rs,
             holds=tuple(sorted((c.holds | (c.args - _read_by(rec, c))) - fixed)),
             children=tuple(rec.sequential.get(c.module, ())),
             **(_stage_fields(rec, st, names, made_at, writes) if st is not None else {}),

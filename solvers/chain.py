@@ -441,6 +441,8 @@ class CallSpan:
     """Children `segment[0]..segment[1]` of the Sequential `call.module`; None: the whole call."""
     buffers: tuple[str, ...] = ()
     """Buffers updated in place inside the span."""
+    restores: tuple[str, ...] = ()
+    """Those of `buffers` read again after their update inside one call (`ModuleCall.restores`)."""
     staged: str = ""
     """For a run of a staged call's stages: the call's `ModuleCall.staged`; the segment is then
     a range of the trace's node positions."""
@@ -466,7 +468,7 @@ def _candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
         a, b = pos(c.start), pos(c.end)
         if not c.blocker and (a, b) not in seen:
             seen.add((a, b))
-            out.append(CallSpan(c, a, b, None, c.buffers))
+            out.append(CallSpan(c, a, b, None, c.buffers, restores=c.restores))
         if c.children:
             segments.extend(_segments(profile, c, by_module))
         elif c.stages and not c.blocker:
@@ -515,7 +517,8 @@ def _shared_calls(profile: Profile) -> tuple[tuple[CallSpan, ...], ...]:
     for calls in by_module.values():
         if any(c.blocker for c in calls):
             continue
-        spans = tuple(CallSpan(c, pos(c.start), pos(c.end), None, c.buffers) for c in calls)
+        spans = tuple(CallSpan(c, pos(c.start), pos(c.end), None, c.buffers, restores=c.restores)
+                      for c in calls)
         key = tuple((s.a, s.b) for s in spans)
         if key in seen or any(s.b >= t.a for s, t in zip(spans, spans[1:], strict=False)) \
                 or any(_holds_collective(profile, s) for s in spans):
@@ -542,7 +545,7 @@ def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
     for i, first in enumerate(kids):
         if first is None or first.blocker:
             continue
-        buffers = set(first.buffers)
+        buffers, restores = set(first.buffers), set(first.restores)
         for j in range(i + 1, len(kids)):
             kc = kids[j]
             if kc is None:
@@ -550,7 +553,9 @@ def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
             if kc.blocker:
                 break
             buffers |= set(kc.buffers)
-            out.append(CallSpan(c, pos(first.start), pos(kc.end), (i, j), tuple(sorted(buffers))))
+            restores |= set(kc.restores)
+            out.append(CallSpan(c, pos(first.start), pos(kc.end), (i, j), tuple(sorted(buffers)),
+                                restores=tuple(sorted(restores))))
     return out
 
 
@@ -578,7 +583,7 @@ def _stage_spans(profile: Profile, c: ModuleCall) -> list[CallSpan]:
             a, b = starts[i], lasts[j]
             buffers = sorted({x for ka, kb, bs in within if a <= ka and kb <= b for x in bs})
             out.append(CallSpan(c, a, b, (c.stage_nodes[i], c.stage_nodes[j + 1] - 1),
-                                tuple(buffers), c.staged))
+                                tuple(buffers), staged=c.staged))
     return out
 
 
@@ -610,7 +615,7 @@ def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
         span = spans.get((r.start, r.end))
         if span is None:
             out.append(dataclasses.replace(r, module=None, save_ops=(), preserve_rng=False,
-                                           buffers=(), segment=None, staged=""))
+                                           buffers=(), restores=(), segment=None, staged=""))
             continue
         lo, hi = g.name_to_i[r.start], g.name_to_i[r.end]
         counts: dict[str, int] = {}
@@ -636,7 +641,8 @@ def bind(profile: Profile, regions: tuple[Region, ...]) -> tuple[Region, ...]:
             ) from None
         out.append(dataclasses.replace(r, module=span.call.module, save_ops=save_ops,
                                        preserve_rng=random, buffers=span.buffers,
-                                       segment=span.segment, staged=span.staged))
+                                       restores=span.restores, segment=span.segment,
+                                       staged=span.staged))
     return tuple(out)
 
 

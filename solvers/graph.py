@@ -156,15 +156,19 @@ class GraphIndex:
                 self.traced_calls.append((
                     self.name_to_i[c.start], self.name_to_i[c.end], firsts,
                     [self.name_to_i[x] for x in c.stage_last]))
-        self.buffer_calls: list[tuple[int, int, tuple[int, ...]]] = []
-        """(first node, last node, buffer storages) of each call that updates buffers in place
-        (`ModuleCall.buffers`): a region over it copies them for its replay
-        (`planner.inplace`), so that the replay's updates land on the copies."""
+        self.buffer_calls: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = []
+        """(first node, last node, buffer storages, restored storages) of each call that updates
+        buffers in place (`ModuleCall.buffers`): a region over it copies them for its replay
+        (`planner.inplace`), so that the replay's updates land on the copies; those it reads
+        again after the update (`ModuleCall.restores`) it also copies as its forward starts."""
         for c in p.calls:
             sids = tuple(self.out_storage[self.name_to_i[b]] for b in c.buffers
                          if b in self.name_to_i and self.out_storage[self.name_to_i[b]] is not None)
+            rids = tuple(self.out_storage[self.name_to_i[b]] for b in c.restores
+                         if b in self.name_to_i and self.out_storage[self.name_to_i[b]] is not None)
             if sids:
-                self.buffer_calls.append((self.name_to_i[c.start], self.name_to_i[c.end], sids))
+                self.buffer_calls.append((self.name_to_i[c.start], self.name_to_i[c.end], sids,
+                                          rids))
         self.has_optimizer = bool(p.optimizer_state_bytes or p.optimizer_step_bytes)
         self.optimizer_step_bytes = p.optimizer_step_bytes
         self._arrays: IndexArrays | None = None

@@ -137,6 +137,10 @@ class ModuleCall:
     (`solvers.chain.shared_calls`); profiles recorded before that was supported block them."""
     buffers: tuple[str, ...] = ()
     """Buffers the call updates in place (BatchNorm running statistics), by dotted name."""
+    restores: tuple[str, ...] = ()
+    """Those of `buffers` that the call reads again after updating them (spectral norm's power
+    iteration): its output depends on the values it started from, so a region over the call
+    keeps a copy of them from its forward (`Region.restores`) and replays from that copy."""
     holds: tuple[int, ...] = ()
     """Storages a checkpoint of the call keeps by reference beyond the tensors its ops read:
     what the objects among its arguments reach when forward ends (a KV cache passed to every
@@ -622,6 +626,9 @@ def _validate(p: Profile) -> None:
                 raise ProfileError(f"calls[{k}]: field {key!r} is not a string")
         if not isinstance(c.buffers, tuple) or not all(isinstance(b, str) for b in c.buffers):
             raise ProfileError(f"calls[{k}]: field 'buffers' is not a list of names")
+        if not isinstance(c.restores, tuple) or not set(c.restores) <= set(c.buffers):
+            raise ProfileError(f"calls[{k}]: field 'restores' is not a list of names among "
+                               "its 'buffers'")
         if not isinstance(c.children, tuple) or not all(isinstance(x, str) for x in c.children):
             raise ProfileError(f"calls[{k}]: field 'children' is not a list of names")
         if not isinstance(c.holds, tuple) or not all(

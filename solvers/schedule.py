@@ -68,6 +68,10 @@ class Region:
     buffers: tuple[str, ...] = ()
     """Buffers the region updates in place (BatchNorm statistics): copies take the replay's
     updates, so they move once per step."""
+    restores: tuple[str, ...] = ()
+    """Those of `buffers` the region reads again after updating them (spectral norm's power
+    iteration): the region keeps a copy of them from its forward until its backward, and its
+    replay starts from that copy, as forward did."""
     segment: tuple[int, int] | None = None
     """For a `torch.nn.Sequential` `module`: the region is its children `segment[0]` to
     `segment[1]` (inclusive, by position), run as one checkpoint (`checkpoint_sequential`'s
@@ -131,6 +135,7 @@ class Schedule:
                     save_ops=tuple(r.get("save_ops", ())),
                     preserve_rng=bool(r.get("preserve_rng", False)),
                     buffers=tuple(r.get("buffers", ())),
+                    restores=tuple(r.get("restores", ())),
                     segment=tuple(r["segment"]) if r.get("segment") is not None else None,
                     staged=str(r.get("staged", "")),
                 )
@@ -173,4 +178,6 @@ def _region_dict(r: Region) -> dict[str, Any]:
             d["segment"] = list(r.segment)
         if r.staged:
             d["staged"] = r.staged
+        if r.restores:
+            d["restores"] = list(r.restores)
     return d

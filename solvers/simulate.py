@@ -53,7 +53,11 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
 - A region whose calls update buffers in place (BatchNorm's running statistics) replays on
   copies of them, made as its replay starts (`planner.inplace`), so that the statistics move
   once per step; a copy a replayed op saves (batch norm saves the statistics it is given) lives
-  until that op's backward, the others until the replay returns.
+  until that op's backward, the others until the replay returns. Buffers a call reads again
+  after updating them (`Region.restores`: spectral norm's vectors) are also copied as the
+  region's checkpoint starts, in forward and again in a parent's replay; the frame keeps those
+  copies until the region's backward is done (until the parent's replay returns), and the
+  replay's copies are made from them.
 - With an optimizer, the step ends with its update: parameters, gradients, optimizer state and the
   optimizer's transient memory.
 
@@ -126,6 +130,8 @@ class _Reg:
     """Storages its nodes read that it does not produce."""
     buffers: tuple[int, ...] = ()
     """Buffer storages its calls update in place, which its replay runs on copies of."""
+    restores: tuple[int, ...] = ()
+    """Those of `buffers` its checkpoint copies as it starts, for the replay to start from."""
     stages: tuple[list[int], list[int]] | None = None
     """For a run of a traced call's stages: the first and last node of each of the call's
     stages (its replay runs the generated code, `_traced_calls`)."""
@@ -191,9 +197,11 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
             span = g.spans[(a, b)] = (nodes, made,
                                       frozenset(s for i in nodes for s in g.reads[i]) - made
                                       - g.autocast_casts.keys(),
-                                      tuple(sorted({s for ca, cb, sids in g.buffer_calls
-                                                    if a <= ca and cb <= b for s in sids})))
-        nodes, produced, inputs, buffers = span
+                                      tuple(sorted({s for ca, cb, sids, _ in g.buffer_calls
+                                                    if a <= ca and cb <= b for s in sids})),
+                                      tuple(sorted({s for ca, cb, _, rids in g.buffer_calls
+                                                    if a <= ca and cb <= b for s in rids})))
+        nodes, produced, inputs, buffers, restores = span
         saved = set()
         for name in r.saved:
             j = g.name_to_i.get(name)
@@ -203,7 +211,7 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
         holds = g.call_holds.get((r.start, r.end), ())  # the call this region is, if any
         traced = _traced_calls(g, (r,))
         raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs, buffers=buffers,
-                      stages=(traced[0][2], traced[0][3]) if traced else None)
+                      restores=restores, stages=(traced[0][2], traced[0][3]) if traced else None)
     # A region that never replays (none of its saved tensors is read in backward) is left out,
     # its nodes belonging to its parent; leaving one out can change its parent, so repeat.
     keep = [k for _, _, k in spans]
@@ -340,15 +348,21 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     def random(k: int) -> bool:
         return any(g.random[i] for i in regs[k].nodes)
 
-    def calls_in(k: int) -> tuple[bool, list[tuple[int, bool, tuple[int, ...]]]]:
+    def snapshot(k: int) -> int:
+        """Bytes of the buffer copies region k's checkpoint makes as it starts
+        (`Region.restores`), which its frame keeps."""
+        return sum(g.sbytes[s] for s in regs[k].restores)
+
+    def calls_in(k: int) -> tuple[bool, list[tuple[int, bool, tuple[int, ...], int]]]:
         """Whether region k's replay stashes the CPU RNG state (`fork_rng`), and the regions
         nested in it at any depth, each as (first node, random, storages its frame keeps by
-        reference, `ModuleCall.holds`): their checkpoint calls run again inside k's replay."""
+        reference, `ModuleCall.holds`, bytes of its buffer snapshot): their checkpoint calls
+        run again inside k's replay."""
         out, todo = [], list(regs[k].children)
         while todo:
             d = todo.pop()
             todo.extend(regs[d].children)
-            out.append((regs[d].nodes[0], random(d), regs[d].holds))
+            out.append((regs[d].nodes[0], random(d), regs[d].holds, snapshot(d)))
         return random(k), sorted(out)
 
     recompute_ms = 0.0
@@ -387,6 +401,13 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
 
     extra_alloc: dict[int, int] = {}
     extra_free: dict[int, int] = {}
+    # A region that restores buffers copies them as its checkpoint starts; the frame keeps the
+    # copies until the region's backward is done.
+    for k, r in enumerate(regs):
+        b = snapshot(k)
+        if b:
+            extra_alloc[r.nodes[0]] = extra_alloc.get(r.nodes[0], 0) + b
+            extra_free[r.bw_end] = extra_free.get(r.bw_end, 0) + b
     if g.rng_state_bytes:
         for k, r in enumerate(regs):
             if random(k):
@@ -517,7 +538,7 @@ class _Replay:
 
 def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int] | None,
             replay_freed: set[int] | None,
-            calls: tuple[bool, list[tuple[int, bool, tuple[int, ...]]]] = (False, []),
+            calls: tuple[bool, list[tuple[int, bool, tuple[int, ...], int]]] = (False, []),
             with_ops: bool = True) -> _Replay:
     """The replay of region `r`. A selective region (saved nodes) also updates `last` and
     `replay_freed` for its cached outputs; a region with children keeps each child's inputs
@@ -527,7 +548,8 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     regions nested in `r`. A nested region whose call starts in the replay runs its checkpoint
     again, making a new frame that lives until the replay returns (the replay's autograd graph
     holds it): the frame keeps what the call's arguments hold by reference (`ModuleCall.holds`)
-    and, for a random region, a copy of the CPU RNG state, as `fork_rng` keeps one for the whole
+    and its buffer snapshot (`Region.restores`), and, for a random region, a copy of the CPU RNG
+    state, as `fork_rng` keeps one for the whole
     replay of a random region. A nested call starting right after the early stop stashes its copy and
     unwinds at once.
 
@@ -555,13 +577,15 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     extra: list[tuple[int, int]] = []  # (position, bytes): RNG states, freed as the replay ends
     if ran and rng and random:
         extra.append((0, rng))
-    for first, rand, kw in nested_calls:
+    for first, rand, kw, snap in nested_calls:
         if ran and first <= r.early_stop:
             for s in kw:  # bound in the new frame's function until the replay returns
                 if s in r.produced:
                     read_pos[s] = len(ran) - 1
         if ran and rand and rng and first <= r.early_stop + 1:
             extra.append((min(bisect.bisect_left(ran, first), len(ran) - 1), rng))
+        if ran and snap and first <= r.early_stop + 1:
+            extra.append((min(bisect.bisect_left(ran, first), len(ran) - 1), snap))
     # The replay runs the module's own code: what it holds past the last reader lives until
     # it is dropped there too, or until the early stop unwinds the replay.
     fwd_read = g.last_forward_read() if r.stages is not None else {}

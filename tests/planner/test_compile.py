@@ -134,6 +134,23 @@ def test_blocks_with_the_same_regions_share_their_compiled_graphs():
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def _spectral_norm_disc():
+    from tests.planner.test_inplace import _SpectralNormDisc
+
+    torch.manual_seed(0)
+    return _SpectralNormDisc(), torch.randn(8, 3, 16, 16), None
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+def test_regions_that_restore_buffers_compile_and_train_like_eager(per_block):
+    """Spectral norm's regions replay from the buffers forward started from (`Region.restores`);
+    compiled, they run uncheckpointed (torch's compiled recomputation reads the updated ones,
+    and dynamo fails on two nested), so the compiled model trains as the eager planned one and
+    its `_u`/`_v` buffers move the same."""
+    p = _check(_spectral_norm_disc, "dp", "aot_eager", per_block=per_block)
+    assert any(r.restores for r in p.schedule.regions)
+
+
 @pytest.mark.parametrize("build", ["resnet_bn", "deep_narrow_cnn"])
 def test_nested_segments_of_one_forward_compile(build):
     """The plan at the smallest peak nests runs of one forward (a residual block's traced

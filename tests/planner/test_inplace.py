@@ -9,6 +9,7 @@ budget and equal to the prediction (1%).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import re
 
@@ -719,3 +720,67 @@ def test_a_second_backward_through_the_graph_replays_the_regions_again(kind, sav
     assert got.keys() == expected.keys()
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+class _SpectralNormDisc(nn.Module):
+    """A GAN discriminator with spectral norm on every layer: each forward's power iteration
+    updates ``_u`` and ``_v`` in place, then computes the weight from them."""
+
+    def __init__(self):
+        super().__init__()
+        sn = nn.utils.parametrizations.spectral_norm
+        self.body = nn.Sequential(*[
+            nn.Sequential(sn(nn.Conv2d(3 if i == 0 else 16, 16, 3, padding=1)), nn.LeakyReLU(0.2))
+            for i in range(3)])
+        self.head = sn(nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def test_spectral_norm_regions_replay_from_the_buffers_forward_started_from():
+    """Spectral norm reads ``_u``/``_v`` after updating them: a region over it copies them as its
+    checkpoint starts and replays from the copy (`Region.restores`), so gradients equal the
+    unplanned step's, the buffers move once per step, and the copy is in the prediction. Without
+    the copy the replay starts from the updated vectors and computes another weight."""
+    torch.manual_seed(0)
+    model, x = _SpectralNormDisc(), torch.randn(8, 3, 16, 16)
+    twin = copy.deepcopy(model)
+    p = planner.plan(model, None, example_inputs=x)  # the smallest peak: regions over every conv
+    assert any(r.restores for r in p.schedule.regions), p.schedule.regions
+    none = p.baselines()["none"].predicted_peak_bytes
+    assert p.predicted_peak_bytes < 0.75 * none
+    v = p.verify(repeats=1)
+    assert v.max_grad_rel_err == 0.0
+    assert abs(v.predicted_peak_bytes - v.measured_peak_bytes) <= 64, v
+
+    def steps(m: nn.Module, retain: bool = False) -> dict[str, torch.Tensor]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            loss = m(x).square().mean()
+            loss.backward(retain_graph=retain)
+            if retain:  # a second backward replays from the same copies
+                loss.backward()
+            opt.step()
+        return {**{k: t.detach().clone() for k, t in m.named_parameters()},
+                **{k: b.clone() for k, b in m.named_buffers()}}
+
+    for retain in (False, True):
+        a, b = copy.deepcopy(twin), copy.deepcopy(model)
+        expected, got = steps(a, retain), steps(b, retain)
+        for k in expected:
+            torch.testing.assert_close(got[k], expected[k], rtol=1e-6, atol=1e-7, msg=k)
+
+    # the same regions without the copies replay from the updated vectors: other gradients
+    planner.remove(model)
+    bare = Schedule(regions=tuple(dataclasses.replace(r, restores=())
+                                  for r in p.schedule.regions))
+    l0, g0 = loss_and_grads(twin, x)
+    apply_schedule(model, bare)
+    try:
+        l1, g1 = loss_and_grads(model, x)
+    finally:
+        planner.remove(model)
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)  # the same forward, from the same vectors
+    assert max((g1[k] - g0[k]).abs().max().item() for k in g0) > 1e-4
