@@ -532,7 +532,13 @@ def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
               ) -> list[CallSpan]:
     """Runs of two or more consecutive children of Sequential call `c` that can be one region:
     every child in the run unblocked (a child without ops, an Identity, has no call and is
-    fine inside a run), the first and last with ops."""
+    fine inside a run), the first and last with ops.
+
+    A child's call spans its `forward`; a segment runs ``child(input)``, its hooks too. Ops
+    between two children's calls (or before the first, after the last) are hooks' (old-style
+    ``torch.nn.utils.spectral_norm`` and ``weight_norm`` compute the weight in a forward
+    pre-hook), which a run starting or ending there would hold at run time but not in the span:
+    no run starts after, or ends before, such ops."""
     pos = graph_index(profile).position
     kids: list[ModuleCall | None] = []
     lo, hi = pos(c.start), pos(c.end)
@@ -541,9 +547,21 @@ def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
         if kc is not None and not lo <= pos(kc.start) <= pos(kc.end) <= hi:
             kc = None  # not called inside this call
         kids.append(kc)
+    called = [k for k, kc in enumerate(kids) if kc is not None]
+    hooked_before: set[int] = set()  # children with ops right before their call
+    hooked_after: set[int] = set()  # ... right after it
+    for n, k in enumerate(called):
+        kc = kids[k]
+        assert kc is not None
+        before = pos(kids[called[n - 1]].end) if n else lo - 1  # type: ignore[union-attr]
+        after = pos(kids[called[n + 1]].start) if n + 1 < len(called) else hi + 1  # type: ignore[union-attr]
+        if pos(kc.start) - before > 1:
+            hooked_before.add(k)
+        if after - pos(kc.end) > 1:
+            hooked_after.add(k)
     out = []
     for i, first in enumerate(kids):
-        if first is None or first.blocker:
+        if first is None or first.blocker or i in hooked_before:
             continue
         buffers, restores = set(first.buffers), set(first.restores)
         for j in range(i + 1, len(kids)):
@@ -554,6 +572,8 @@ def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
                 break
             buffers |= set(kc.buffers)
             restores |= set(kc.restores)
+            if j in hooked_after:
+                continue
             out.append(CallSpan(c, pos(first.start), pos(kc.end), (i, j), tuple(sorted(buffers)),
                                 restores=tuple(sorted(restores))))
     return out
