@@ -196,6 +196,8 @@ def to_profile(
                 time_ms=0.0 if r.phase in FIXED_PHASES else float(r.time_ms),
                 random=r.random,
                 mutates_buffer=r.mutates_buffer,
+                fills_saved=r.phase == "forward" and any(
+                    s in r.saves and s != r.storage for s in r.writes),
                 releases=tuple(sorted(r.releases)),
                 no_grad_storages=tuple(r.no_grad_storages),
                 rows=rec.rows.get(len(nodes), 0),

@@ -477,9 +477,22 @@ def _candidate_calls(profile: Profile) -> tuple[CallSpan, ...]:
         if (span.a, span.b) not in seen:
             seen.add((span.a, span.b))
             out.append(span)
-    out = [s for s in out if not _holds_collective(profile, s)]
+    out = [s for s in out if not _holds_collective(profile, s) and not _stops_unfilled(profile, s)]
     out.sort(key=lambda s: (s.a, -s.b))
     return tuple(out)
+
+
+def _stops_unfilled(profile: Profile, span: CallSpan) -> bool:
+    """Whether the span's replay stops right before an op that saves only tensors it was given
+    and fills one of them in place (`Node.fills_saved`, RReLU's noise): the early stop packs the
+    tensor unwritten, and backward gets other values (pytorch/pytorch#193671)."""
+    g = graph_index(profile)
+    stop = early_stops(profile)[span.b]
+    last = stop + 1  # the span's last saver, when the stop is the op before it
+    if stop < span.a - 1 or last > span.b:
+        return False
+    node = profile.nodes[g.forward[last]]
+    return node.fills_saved and bool(node.saves) and not set(node.saves) & set(g.new[g.forward[last]])
 
 
 def _holds_collective(profile: Profile, span: CallSpan) -> bool:
@@ -521,7 +534,8 @@ def _shared_calls(profile: Profile) -> tuple[tuple[CallSpan, ...], ...]:
                       for c in calls)
         key = tuple((s.a, s.b) for s in spans)
         if key in seen or any(s.b >= t.a for s, t in zip(spans, spans[1:], strict=False)) \
-                or any(_holds_collective(profile, s) for s in spans):
+                or any(_holds_collective(profile, s) or _stops_unfilled(profile, s)
+                       for s in spans):
             continue
         seen.add(key)
         out.append(spans)

@@ -108,6 +108,11 @@ class Node:
     """The op draws from the RNG (dropout): replaying it needs the RNG state restored."""
     mutates_buffer: bool = False
     """The op updates a module buffer in place (BatchNorm running statistics)."""
+    fills_saved: bool = False
+    """Forward nodes: the op writes in place into a tensor it saves, other than its output
+    (``rrelu_with_noise`` fills the ``noise`` it is given). Its autograd node saves the tensor
+    before the kernel runs, so a replay that stops there (`solvers.chain.early_stops`) hands
+    backward the tensor unwritten (pytorch/pytorch#193671)."""
     releases: tuple[int, ...] = ()
     """Storages whose last reference held by the model's code (not by autograd) died right after
     this node ran. A storage no node releases dies after its last reader."""

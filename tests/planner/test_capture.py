@@ -646,6 +646,52 @@ def test_a_segment_does_not_start_or_end_at_a_childs_hooks():
         remove(model)
 
 
+def test_no_region_stops_its_replay_before_rrelu_fills_its_noise():
+    """``rrelu_with_noise`` saves the ``noise`` tensor it is given, then fills it. A region whose
+    last saver it is (RReLU's own call) early-stops its replay right after packing the tensor,
+    before the kernel writes it: backward gets an unwritten noise and wrong gradients (torch's
+    own checkpoint does the same, pytorch/pytorch#193671). Such spans are no candidates; the
+    blocks around RReLU still are, and the plan trains like the model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.RReLU(), nn.Linear(128, 32))
+                            for _ in range(3)]).train()
+    x = torch.randn(64, 32)
+    prof = profile(model, x, repeats=1)
+    assert [n.fills_saved for n in prof.nodes if n.op.startswith("aten.rrelu_with_noise.")] \
+        == [True] * 3
+    modules = {s.call.module for s in candidate_calls(prof) if s.segment is None}
+    assert {"0", "1", "2"} <= modules and not {"0.1", "1.1", "2.1"} & modules
+    # what the excluded span does: RReLU's own call as a region
+    call = next(c for c in prof.calls if c.module == "0.1")
+    region = Region(start=call.start, end=call.end, module="0.1", preserve_rng=True)
+    _, g0 = _grads(model, x)
+    apply_schedule(model, Schedule(regions=(region,)))
+    try:
+        _, g1 = _grads(model, x)
+    finally:
+        remove(model)
+    assert not torch.allclose(g1["0.0.weight"], g0["0.0.weight"], rtol=1e-3)
+    p = plan(model, None, example_inputs=x, repeats=1)
+    try:
+        assert p.schedule.regions
+        assert p.verify(repeats=1).max_grad_rel_err <= 1e-5
+    finally:
+        remove(model)
+
+
+def _grads(model: nn.Module, x: torch.Tensor):
+    for q in model.parameters():
+        q.grad = None
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        loss = model(x).square().mean()
+        loss.backward()
+    grads = {k: q.grad.clone() for k, q in model.named_parameters()}
+    for q in model.parameters():
+        q.grad = None
+    return loss.detach(), grads
+
+
 def test_torchscript_submodules_profile_as_their_callers_ops():
     """A TorchScript module takes no hooks (registering one raised, and the error blamed the
     inputs): its ops are its caller's, it is no region, and the peak is predicted."""
