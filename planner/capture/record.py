@@ -463,6 +463,7 @@ class _Recorder(TorchDispatchMode):
         # Sequence numbers skipped by the last forward op (made before it dispatched) and who
         # may claim them: see `_own_nodes`.
         self.skipped: list[int] = []
+        self.in_place_op: int | None = None  # the last forward op, if it wrote in place
         self.packs: list[tuple[int, int]] = []  # (sequence number, storage id)
         self.release_at: dict[int, int] = {}
         self.counts: dict[str, int] = {}
@@ -660,7 +661,7 @@ class _Recorder(TorchDispatchMode):
                     and _sole_holder(old)):
                 rec.fills = self.sid(old)
         if self.phase in ("forward", "loss") and any(o is not None for o in out_sids):
-            self._own_nodes(seq, idx, bool(writes))
+            self._own_nodes(seq, idx, bool(writes), rec.op)
         elif node is not None:
             owner = self.seq_owner.get(node._sequence_nr())
             rec.grad_of = owner
@@ -680,20 +681,34 @@ class _Recorder(TorchDispatchMode):
             for s in new:
                 self.owner[s] = idx
 
-    def _own_nodes(self, seq: int, idx: int, in_place: bool) -> None:
+    def _own_nodes(self, seq: int, idx: int, in_place: bool, op: str = "") -> None:
         """Which forward op made which autograd node. An op that made nodes since the last one
         owns node seq - 1. An in-place op whose backward needs the value it overwrites
         (``w /= w.sum()``) makes its node first, then autograd clones the original (a `clone`
         with a node of its own) and only then does the op itself dispatch, with no new number:
-        the number skipped before the clone's is the in-place op's, which comes next."""
+        the number skipped before the clone's is the in-place op's, which comes next.
+
+        An in-place op on a view (``h.relu_()`` where ``h`` is a Linear's 3-D output, a view of
+        its 2-D matmul) makes its node as it dispatches, and after it returns autograd makes the
+        base's CopySlices (whose backward runs that node's formula, unpacking what the op saved)
+        and the view's new grad_fn: the numbers skipped before the next op's node are the
+        in-place op's, unless that next op is the clone above."""
         skipped, self.skipped = self.skipped, []
         if seq != self.last_seq:
             self.seq_owner.setdefault(seq - 1, idx)
-            self.skipped = [s for s in range(self.last_seq, seq - 1) if s not in self.seq_owner]
+            new = [s for s in range(self.last_seq, seq - 1) if s not in self.seq_owner]
+            if new and self.in_place_op is not None and op != "aten.clone.default":
+                for s in new:
+                    self.seq_owner.setdefault(s, self.in_place_op)
+                new = []
+            self.skipped = new
             self.last_seq = seq
+            self.in_place_op = None
         elif in_place:
             for s in skipped:
                 self.seq_owner.setdefault(s, idx)
+        if in_place:
+            self.in_place_op = idx
 
     # -- saved tensors ------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> _Packed:
