@@ -45,7 +45,9 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   where its ops read a cast made outside the region (a module called several times with one set
   of weights), it casts again, as its first reader replays; that copy lives until the replay
   returns, or until the backward of the replayed nodes that save it, and the region's backward
-  reads it, not the original. Such a cast is not one of the region's inputs.
+  reads it, not the original. Such a cast is not one of the region's inputs. A cast its own
+  replayed ops make (those of a region nested in it too) is in that cache as well: it lives
+  until the replay returns, however early the code drops it (a run of traced stages does).
 - A call with a region that is a run of its traced forward's stages (`planner.stages`) runs the
   generated code, in forward and in the run's replay: it drops a value after the last stage
   that reads it (a stage: one call of the traced forward), where the model's own code may have
@@ -602,6 +604,16 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else len(ran) - 1
             if pos > read_pos.get(s, -1):
                 read_pos[s] = pos
+    # A parameter cast a replayed op makes (in a nested region's call too) goes into the
+    # replay's autocast cache, which keeps it until the replay returns. Autocast caches only
+    # casts of parameters that require gradients: in forward those outlived the region (kept
+    # to the end of the autocast block); a frozen weight's cast (PEFT's base) died at its use.
+    if g.autocast_casts and ran:
+        for s in r.produced:
+            if s in g.autocast_casts and g.autocast_casts[s] <= r.early_stop:
+                rel = g.release.get(s)
+                if rel is None or rel > r.nodes[-1]:
+                    read_pos[s] = len(ran) - 1
     # A replayed op that never runs backward (its output does not reach the loss) keeps what
     # it saves while its replayed autograd node lives, as in forward: the replay's pack hook
     # hands the tensor back to the node whether or not the frame wants it. Inside a nested
