@@ -277,13 +277,44 @@ def _draws(n: torch.fx.Node) -> bool:
     return not isinstance(p, (int, float)) or p != 0
 
 
+def keep_updated_input_readers(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Mark ``MUST_SAVE``, in a joint forward-backward graph, every forward op outside our
+    regions that reads a graph input the graph also writes in place (a buffer updated in
+    forward: spectral norm's power-iteration vectors). Returns how many.
+
+    The write lands on the input itself as forward ends, so an op the partitioner recomputes in
+    backward (below ``activation_memory_budget`` 1) reads the updated value: measured on a
+    spectral-norm discriminator, gradients 0.45% off under aot_eager and inductor at 0.5.
+    Batch norm is left alone: in training its outputs other than the new statistics do not
+    depend on the statistics it reads."""
+    from torch._functorch.partitioners import must_recompute
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    copy_ = torch.ops.aten.copy_.default
+    written = {n.args[0] for n in joint.graph.nodes
+               if n.op == "call_function" and n.target is copy_ and n.args
+               and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"}
+    if not written:
+        return 0
+    marked = 0
+    for n in _forward_nodes(joint, num_fwd_outputs):
+        if (n.op == "call_function" and n.target is not copy_ and not must_recompute(n)
+                and "batch_norm" not in str(n.target)
+                and n.meta.get("recompute") != CheckpointPolicy.MUST_SAVE
+                and any(a in written for a in n.all_input_nodes)):
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            marked += 1
+    return marked
+
+
 def _partition_keeping_boundaries(joint, joint_inputs, *, num_fwd_outputs: int, **kwargs):
-    """The min-cut partitioner (inductor's and aot_eager's) after `keep_region_boundaries` and
-    `keep_random_draws`."""
+    """The min-cut partitioner (inductor's and aot_eager's) after `keep_region_boundaries`,
+    `keep_random_draws` and `keep_updated_input_readers`."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     keep_region_boundaries(joint, num_fwd_outputs)
     keep_random_draws(joint, num_fwd_outputs)
+    keep_updated_input_readers(joint, num_fwd_outputs)
     return min_cut_rematerialization_partition(joint, joint_inputs,
                                                num_fwd_outputs=num_fwd_outputs, **kwargs)
 
