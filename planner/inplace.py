@@ -309,6 +309,10 @@ class _RegionRunner:
     nor `preserve_rng_state` are needed there.
     """
 
+    _restores: list[tuple[torch.nn.Module, str]] = []
+    """(module, buffer name) of `Region.restores`; the class default serves runners pickled
+    before the field existed."""
+
     def __init__(self, region: Region, root: torch.nn.Module):
         self.region = region
         self._keys = _policy_keys(region)
@@ -318,7 +322,7 @@ class _RegionRunner:
             ctx.cache_hash = f"{SAC_CACHE_VERSION}:{self._keys}"  # type: ignore[attr-defined]
             self._compiled_context = ctx
         self._slots = []
-        self._restores = []
+        self._restores = []  # an instance list: the class's default stays empty
         for name in region.buffers:
             prefix, _, attr = name.rpartition(".")
             try:

@@ -561,17 +561,13 @@ def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
         if kc is not None and not lo <= pos(kc.start) <= pos(kc.end) <= hi:
             kc = None  # not called inside this call
         kids.append(kc)
-    called = [k for k, kc in enumerate(kids) if kc is not None]
+    spans = [(k, pos(kc.start), pos(kc.end)) for k, kc in enumerate(kids) if kc is not None]
     hooked_before: set[int] = set()  # children with ops right before their call
     hooked_after: set[int] = set()  # ... right after it
-    for n, k in enumerate(called):
-        kc = kids[k]
-        assert kc is not None
-        before = pos(kids[called[n - 1]].end) if n else lo - 1  # type: ignore[union-attr]
-        after = pos(kids[called[n + 1]].start) if n + 1 < len(called) else hi + 1  # type: ignore[union-attr]
-        if pos(kc.start) - before > 1:
+    for n, (k, a, b) in enumerate(spans):
+        if a - (spans[n - 1][2] if n else lo - 1) > 1:
             hooked_before.add(k)
-        if after - pos(kc.end) > 1:
+        if (spans[n + 1][1] if n + 1 < len(spans) else hi + 1) - b > 1:
             hooked_after.add(k)
     out = []
     for i, first in enumerate(kids):
