@@ -22,7 +22,7 @@ from planner.capture.record import split_inputs
 from planner.devices import cpu_spec
 from planner.inplace import apply_schedule
 from planner.measurement import measure
-from solvers import Region, Schedule
+from solvers import Profile, Region, Schedule
 from solvers.chain import (
     bind,
     candidate_calls,
@@ -596,10 +596,12 @@ def test_a_buffer_read_after_its_update_is_restored_for_the_replay():
     assert set(calls["body"].restores) == vectors
     assert set(calls["body.0"].restores) == {v for v in vectors if v.startswith("body.0.")}
     assert not calls["body.1"].restores and not calls["head"].restores
+    assert Profile.from_dict(prof.to_dict()).calls == prof.calls  # saved profiles keep them
     u = [b.clone() for b in model.buffers()]
     p = plan(model, None, example_inputs=x, repeats=1)  # the smallest peak
     try:
         assert any(r.restores for r in p.schedule.regions)
+        assert Schedule.from_dict(p.schedule.to_dict()).regions == p.schedule.regions
         v = p.verify(repeats=1)  # same loss and gradients as the unplanned model
         assert abs(v.measured_peak_bytes - v.predicted_peak_bytes) <= 64
         assert all(torch.equal(a, b) for a, b in zip(u, model.buffers(), strict=True))
