@@ -593,9 +593,12 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     fwd_read = g.last_forward_read() if r.stages is not None else {}
     for s in r.produced:
         rel = g.release.get(s)
-        if rel is not None and r.stages is not None and fwd_read.get(s, -1) <= r.nodes[-1]:
+        if rel is not None and r.stages is not None and fwd_read.get(s, -1) <= r.nodes[-1] \
+                and rel <= r.stages[1][-1]:
             # a run of traced code drops a value no later stage reads after the stage that
-            # reads it last (the generated code's `x = None`), not where the model's code did
+            # reads it last (the generated code's `x = None`), not where the model's code did;
+            # what outlived the call in forward (autocast's cached casts, an attribute) is held
+            # by something else, as `_original_ends` has it
             firsts, lasts = r.stages
             n = max(fwd_read.get(s, -1), int(g.arrays().maker[s]))
             k = bisect.bisect_right(firsts, n) - 1
@@ -604,16 +607,6 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else len(ran) - 1
             if pos > read_pos.get(s, -1):
                 read_pos[s] = pos
-    # A parameter cast a replayed op makes (in a nested region's call too) goes into the
-    # replay's autocast cache, which keeps it until the replay returns. Autocast caches only
-    # casts of parameters that require gradients: in forward those outlived the region (kept
-    # to the end of the autocast block); a frozen weight's cast (PEFT's base) died at its use.
-    if g.autocast_casts and ran:
-        for s in r.produced:
-            if s in g.autocast_casts and g.autocast_casts[s] <= r.early_stop:
-                rel = g.release.get(s)
-                if rel is None or rel > r.nodes[-1]:
-                    read_pos[s] = len(ran) - 1
     # A replayed op that never runs backward (its output does not reach the loss) keeps what
     # it saves while its replayed autograd node lives, as in forward: the replay's pack hook
     # hands the tensor back to the node whether or not the frame wants it. Inside a nested
