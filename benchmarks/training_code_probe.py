@@ -38,15 +38,17 @@ P = nn.utils.parametrizations
 
 
 class SpectralDisc(nn.Module):
-    """A GAN discriminator with spectral norm on every layer (`old`: the hook-based API)."""
+    """A GAN discriminator with spectral norm on every layer (`old`: the hook-based API, whose
+    power iteration runs in a forward pre-hook): `depth` blocks of a conv and a LeakyReLU."""
 
-    def __init__(self, old: bool = False):
+    def __init__(self, old: bool = False, channels: int = 32, depth: int = 4):
         super().__init__()
         sn = nn.utils.spectral_norm if old else P.spectral_norm
         self.body = nn.Sequential(*[
-            nn.Sequential(sn(nn.Conv2d(3 if i == 0 else 32, 32, 3, padding=1)), nn.LeakyReLU(0.2))
-            for i in range(4)])
-        self.head = sn(nn.Linear(32, 1))
+            nn.Sequential(sn(nn.Conv2d(3 if i == 0 else channels, channels, 3, padding=1)),
+                          nn.LeakyReLU(0.2))
+            for i in range(depth)])
+        self.head = sn(nn.Linear(channels, 1))
 
     def forward(self, x):
         return self.head(self.body(x).mean((2, 3)))

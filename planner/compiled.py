@@ -284,7 +284,7 @@ def keep_updated_input_readers(joint: torch.fx.GraphModule, num_fwd_outputs: int
 
     The write lands on the input itself as forward ends, so an op the partitioner recomputes in
     backward (below ``activation_memory_budget`` 1) reads the updated value: measured on a
-    spectral-norm discriminator, gradients 0.45% off under aot_eager and inductor at 0.5.
+    spectral-norm discriminator, other gradients under aot_eager and inductor (benchmarks/RESULTS.md).
     Batch norm is left alone: in training its outputs other than the new statistics do not
     depend on the statistics it reads."""
     from torch._functorch.partitioners import must_recompute

@@ -360,7 +360,7 @@ class _RegionRunner:
             if self._restores:
                 # Compiled, the partitioner's recomputation reads the buffers as forward left
                 # them (torch 2.13: a compiled `checkpoint` of a spectral-normed layer gets
-                # gradients 0.15% off, as eager `checkpoint` does), and dynamo fails on two
+                # other gradients, as eager `checkpoint` does), and dynamo fails on two
                 # nested ones; the region runs uncheckpointed, which `plan(..., compile=)`
                 # measures.
                 return fn(*args)

@@ -212,7 +212,7 @@ def test_a_cast_made_in_a_replay_lives_until_the_replay_returns():
     block's traced stages (fc1, then GELU and dropout) with fc1 a region nested in it replays
     fc1's cast of its weight inside the run, and the run's traced code drops it after fc1. The
     simulator freed it there: the peak, in the run's replay, was predicted without the weight's
-    128 KiB bf16 copy (10,122 B under the measured one, which it then placed elsewhere)."""
+    bf16 copy (under the measured one, which it then placed elsewhere)."""
     torch.manual_seed(0)
     model, x = _Blocks().train(), torch.randn(1, 32, 64)  # small: the replay holds the peak
     prof = planner.profile(model, x, repeats=1, autocast=torch.bfloat16)

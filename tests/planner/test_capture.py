@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from benchmarks.training_code_probe import SpectralDisc
 from planner import ModelRunError, plan, profile, remove
 from planner.capture.record import split_inputs
 from planner.devices import cpu_spec
@@ -36,6 +37,7 @@ from solvers.errors import CkptPlannerError
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
 from tests.models import TINY, hf_gpt2, hf_llama, mlp_dropout
+from tests.zoo import loss_and_grads
 
 NAMES = list(TINY)
 MATMUL_OPS = (
@@ -609,31 +611,15 @@ def test_a_buffer_read_after_its_update_is_restored_for_the_replay():
         remove(model)
 
 
-class _OldStyleSpectralNet(nn.Module):
-    """``torch.nn.utils.spectral_norm`` (the pre-parametrization API, still in GAN code): a
-    forward pre-hook runs the power iteration and sets ``weight``, before the conv's forward."""
-
-    def __init__(self):
-        super().__init__()
-        sn = torch.nn.utils.spectral_norm
-        self.body = nn.Sequential(*[
-            nn.Sequential(sn(nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1)), nn.LeakyReLU(0.2))
-            for i in range(3)])
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        return self.head(self.body(x).mean((2, 3)))
-
-
 def test_a_segment_does_not_start_or_end_at_a_childs_hooks():
     """A child's call spans its forward; a Sequential segment runs ``child(input)``, hooks
     included. A segment starting at a child whose pre-hook runs ops (old-style spectral norm's
     power iteration) held them at run time but not in its span: its replay ran the power
-    iteration from the updated vectors, with no copy, and the gradients differed (0.30 relative
-    on the first conv). No segment starts after, or ends before, such ops now; the plan at the
+    iteration from the updated vectors, with no copy, and the gradients differed. No segment starts after, or ends before, such ops now; the plan at the
     smallest peak trains like the model."""
     torch.manual_seed(0)
-    model, x = _OldStyleSpectralNet().train(), torch.randn(8, 3, 16, 16)
+    # old-style torch.nn.utils.spectral_norm: the power iteration runs in a forward pre-hook
+    model, x = SpectralDisc(old=True, channels=8, depth=3).train(), torch.randn(8, 3, 16, 16)
     prof = profile(model, x, repeats=1)
     hooked = {f"body.{k}" for k in range(3)}  # each starts with its conv's pre-hook
     assert not [s for s in candidate_calls(prof)
@@ -646,6 +632,10 @@ def test_a_segment_does_not_start_or_end_at_a_childs_hooks():
         assert v.measured_peak_bytes <= v.predicted_peak_bytes + 64
     finally:
         remove(model)
+
+
+def _square_mean(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
 
 
 def test_no_region_stops_its_replay_before_rrelu_fills_its_noise():
@@ -666,10 +656,10 @@ def test_no_region_stops_its_replay_before_rrelu_fills_its_noise():
     # what the excluded span does: RReLU's own call as a region
     call = next(c for c in prof.calls if c.module == "0.1")
     region = Region(start=call.start, end=call.end, module="0.1", preserve_rng=True)
-    _, g0 = _grads(model, x)
+    _, g0 = loss_and_grads(model, x, _square_mean, model)
     apply_schedule(model, Schedule(regions=(region,)))
     try:
-        _, g1 = _grads(model, x)
+        _, g1 = loss_and_grads(model, x, _square_mean, model)
     finally:
         remove(model)
     assert not torch.allclose(g1["0.0.weight"], g0["0.0.weight"], rtol=1e-3)
@@ -679,19 +669,6 @@ def test_no_region_stops_its_replay_before_rrelu_fills_its_noise():
         assert p.verify(repeats=1).max_grad_rel_err <= 1e-5
     finally:
         remove(model)
-
-
-def _grads(model: nn.Module, x: torch.Tensor):
-    for q in model.parameters():
-        q.grad = None
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        loss = model(x).square().mean()
-        loss.backward()
-    grads = {k: q.grad.clone() for k, q in model.named_parameters()}
-    for q in model.parameters():
-        q.grad = None
-    return loss.detach(), grads
 
 
 class _InPlaceOnAView(nn.Module):
@@ -715,7 +692,7 @@ def test_an_in_place_op_on_a_view_owns_the_nodes_autograd_makes_after_it():
     backward runs the op's formula and unpacks what it saved) and the view's new grad_fn. They
     had no owner, so the ReLU's save of its output was nobody's and its backward read the
     output as if from outside every region: each block region was predicted to keep it to the
-    end of backward (+256 KiB per block over the measured peak, and plans that saved little)."""
+    end of backward (over the measured peak, and plans that saved little)."""
     torch.manual_seed(0)
     model, x = _InPlaceOnAView().train(), torch.randn(8, 64, 32)
     prof = profile(model, x, repeats=1)

@@ -135,10 +135,10 @@ def test_blocks_with_the_same_regions_share_their_compiled_graphs():
 
 
 def _spectral_norm_disc():
-    from tests.planner.test_inplace import _SpectralNormDisc
+    from benchmarks.training_code_probe import SpectralDisc
 
     torch.manual_seed(0)
-    return _SpectralNormDisc(), torch.randn(8, 3, 16, 16), None
+    return SpectralDisc(channels=16, depth=3), torch.randn(8, 3, 16, 16), None
 
 
 @pytest.mark.parametrize("per_block", [False, True])
@@ -471,7 +471,7 @@ def test_keep_region_boundaries_marks_what_crosses_a_region_and_nothing_inside(s
 def test_below_one_the_partitioner_does_not_recompute_from_updated_buffers(memory_budget):
     """Spectral norm updates ``_u``/``_v`` in forward; functionalized, the update is a ``copy_``
     into the graph's input as forward ends. Below activation_memory_budget 1 the partitioner
-    recomputed the power iteration in backward from the updated vectors (gradients 0.45% off
+    recomputed the power iteration in backward from the updated vectors (other gradients
     under aot_eager); our backend keeps what reads such an input saved, so the compiled step,
     with no plan, gives eager's gradients."""
     from planner.compiled import compile_backend

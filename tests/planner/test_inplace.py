@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import planner
+from benchmarks.training_code_probe import SpectralDisc
 from planner.api import SLACK_BYTES, plan_from_profile, region_label
 from planner.capture.record import default_loss
 from planner.inplace import (
@@ -722,29 +723,13 @@ def test_a_second_backward_through_the_graph_replays_the_regions_again(kind, sav
         torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-class _SpectralNormDisc(nn.Module):
-    """A GAN discriminator with spectral norm on every layer: each forward's power iteration
-    updates ``_u`` and ``_v`` in place, then computes the weight from them."""
-
-    def __init__(self):
-        super().__init__()
-        sn = nn.utils.parametrizations.spectral_norm
-        self.body = nn.Sequential(*[
-            nn.Sequential(sn(nn.Conv2d(3 if i == 0 else 16, 16, 3, padding=1)), nn.LeakyReLU(0.2))
-            for i in range(3)])
-        self.head = sn(nn.Linear(16, 1))
-
-    def forward(self, x):
-        return self.head(self.body(x).mean((2, 3)))
-
-
 def test_spectral_norm_regions_replay_from_the_buffers_forward_started_from():
     """Spectral norm reads ``_u``/``_v`` after updating them: a region over it copies them as its
     checkpoint starts and replays from the copy (`Region.restores`), so gradients equal the
     unplanned step's, the buffers move once per step, and the copy is in the prediction. Without
     the copy the replay starts from the updated vectors and computes another weight."""
     torch.manual_seed(0)
-    model, x = _SpectralNormDisc(), torch.randn(8, 3, 16, 16)
+    model, x = SpectralDisc(channels=16, depth=3), torch.randn(8, 3, 16, 16)
     twin = copy.deepcopy(model)
     p = planner.plan(model, None, example_inputs=x)  # the smallest peak: regions over every conv
     assert any(r.restores for r in p.schedule.regions), p.schedule.regions

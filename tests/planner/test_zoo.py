@@ -22,12 +22,11 @@ import torch
 import planner
 from benchmarks.outside_zoo import CASES as OUTSIDE
 from planner.api import SLACK_BYTES, plan_from_profile
-from planner.capture.record import default_loss
 from planner.inplace import applied
 from planner.measurement import measure
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
-from tests.zoo import CASES, call
+from tests.zoo import CASES, loss_and_grads
 
 FRACTIONS = (0.75, 0.5, 0.3)
 pytestmark = pytest.mark.slow
@@ -42,19 +41,6 @@ def _case(name: str):
     prof = planner.profile(case.model, case.inputs, loss_fn=case.loss_fn, repeats=1)
     n = simulate(prof).peak_bytes
     return case, prof, n, smallest_peak(prof)
-
-
-def _step(model, inputs, loss_fn, seed: int = 0):
-    for p in model.parameters():
-        p.grad = None
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        loss = (loss_fn or default_loss)(call(model, inputs))
-        loss.backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    for p in model.parameters():
-        p.grad = None
-    return loss.detach(), grads
 
 
 def test_the_families_outside_the_zoo_are_others():
@@ -83,11 +69,11 @@ def test_zoo_plans_train_identically_and_fit(name, f):
         assert v.measured_peak_bytes <= budget
         assert abs(v.predicted_peak_bytes - v.measured_peak_bytes) <= 0.02 * v.measured_peak_bytes
         # a smaller batch and sequence: within the budget, same gradients as unplanned
-        l1, g1 = _step(model, case.small_inputs, case.loss_fn)
+        l1, g1 = loss_and_grads(model, case.small_inputs, case.loss_fn, model)
         small_peak = measure(model, case.small_inputs, case.loss_fn, repeats=1).peak_bytes
     finally:
         planner.remove(model)
-    l0, g0 = _step(model, case.small_inputs, case.loss_fn)
+    l0, g0 = loss_and_grads(model, case.small_inputs, case.loss_fn, model)
     assert small_peak <= budget
     torch.testing.assert_close(l1, l0)
     assert g0.keys() == g1.keys()
@@ -101,7 +87,7 @@ def test_peft_lora_trains_adapters_only():
     budget = max(int(prof.fixed_bytes + 0.5 * (n - prof.fixed_bytes)), least + SLACK_BYTES)
     plan_from_profile(model, prof, budget_bytes=budget)
     try:
-        _, grads = _step(model, case.inputs, case.loss_fn)
+        _, grads = loss_and_grads(model, case.inputs, case.loss_fn, model)
     finally:
         planner.remove(model)
     assert grads and all("lora_" in k for k in grads)
