@@ -71,7 +71,6 @@ counted where the profile measured it (CPU measure mode).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -225,12 +224,21 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
         keep = [k for k in keep if k not in idle]
 
 
+def _fresh(r: _Reg) -> _Reg:
+    """A copy of `r` not linked into any forest (`dataclasses.replace` without its checks: this
+    runs for every region of every schedule simulated)."""
+    c = object.__new__(_Reg)
+    c.__dict__.update(r.__dict__)
+    c.children, c.parent = [], -1
+    return c
+
+
 def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int]
             ) -> list[_Reg]:
     """Link `regs` (in span order, outer first; `keys` their schedule indices) into a forest and
     compute each region's own nodes, early stop, trigger and backward end, children first."""
     at = {k: n for n, k in enumerate(keys)}
-    out = [dataclasses.replace(r, children=[], parent=-1) for r in regs]
+    out = [_fresh(r) for r in regs]
     for n, k in enumerate(keys):
         pk = parent_of.get(k, -1)
         while pk >= 0 and pk not in at:  # an ancestor left out: the next one up
@@ -337,6 +345,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         return t
 
     sigs: dict[int, tuple] = {}
+    random_spans: dict[tuple[int, int], bool] = cached(p, "random_spans", lambda _: {})
 
     def sig(k: int) -> tuple:
         """Region k's span, whether it runs traced code, and, recursively, those of the
@@ -348,7 +357,10 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         return sigs[k]
 
     def random(k: int) -> bool:
-        return any(g.random[i] for i in regs[k].nodes)
+        span = (regs[k].nodes[0], regs[k].nodes[-1])
+        if span not in random_spans:
+            random_spans[span] = any(g.random[i] for i in regs[k].nodes)
+        return random_spans[span]
 
     def snapshot(k: int) -> int:
         """Bytes of the buffer copies region k's checkpoint makes as it starts
