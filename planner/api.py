@@ -44,7 +44,7 @@ from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
 from solvers.simulate import peak_breakdown, simulate, unsplittable_at_peak
-from solvers.solve import BASELINES, lowest, smallest_peak, solve
+from solvers.solve import BASELINES, FLOOR_TIME_LIMIT_S, lowest, smallest_peak, solve
 from solvers.units import format_bytes, parse_budget
 
 __all__ = [
@@ -989,7 +989,8 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
             "planner.plan(model, ..., fsdp=True, mp_policy=...)")
     t0 = time.perf_counter()
     if budget_bytes is None:
-        schedule = lowest(profile, time_limit_s if time_limit_s is not None else 10.0)
+        schedule = lowest(profile, time_limit_s if time_limit_s is not None
+                          else FLOOR_TIME_LIMIT_S)
         schedule = dataclasses.replace(schedule, made_for=made_for(model, profile))
         apply_schedule(model, schedule)
         t1 = time.perf_counter()

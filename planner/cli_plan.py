@@ -22,7 +22,7 @@ from solvers import (
 from solvers.accumulation import holding_grads
 from solvers.distributed import per_rank
 from solvers.simulate import peak_breakdown
-from solvers.solve import BASELINES, lowest, pareto, smallest_peak
+from solvers.solve import BASELINES, FLOOR_TIME_LIMIT_S, lowest, pareto, smallest_peak
 from solvers.units import BudgetError, format_bytes, parse_budget
 
 __all__ = ["add_arguments", "run"]
@@ -140,7 +140,7 @@ def _sweep(p: Profile, args: argparse.Namespace) -> int:
 
 def _minimum(p: Profile, args: argparse.Namespace) -> int:
     """The smallest achievable peak, the schedule that reaches it, and the front above it."""
-    limit = args.time_limit if args.time_limit is not None else 10.0
+    limit = args.time_limit if args.time_limit is not None else FLOOR_TIME_LIMIT_S
     t0 = time.perf_counter()
     front = pareto(p, points=SWEEP_POINTS, time_limit_s=limit)
     secs = time.perf_counter() - t0
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     print(_table(["method", "status", "peak GiB", "extra ms", "extra %", "regions", "solve s"],
                  rows))
     if not chosen.feasible:
-        best = lowest(p, args.time_limit if args.time_limit is not None else 10.0)
+        best = lowest(p, args.time_limit if args.time_limit is not None else FLOOR_TIME_LIMIT_S)
         parts = "; ".join(f"{k} {format_bytes(v)}" for k, v in peak_breakdown(p, best)[:4])
         print(f"ckpt-planner plan: budget {format_bytes(budget)} is below the smallest "
               f"achievable peak for this profile ({format_bytes(best.predicted_peak_bytes)}, "

@@ -201,11 +201,16 @@ def _auto(profile: Profile, budget_bytes: int, time_limit_s: float | None) -> Sc
     return dataclasses.replace(best, stats=stats)
 
 
-def smallest_peak(profile: Profile, time_limit_s: float | None = 10.0) -> int:
-    """The lowest simulated peak any method of `METHODS` reaches (for "raise the budget"
-    messages); on a recorded profile, among schedules that can be applied in place. Methods whose
-    solver is not installed are left out."""
-    best = math.inf
+FLOOR_TIME_LIMIT_S = 30.0
+"""Seconds each method may search for its lowest peak (`smallest_peak`, `lowest`) by default.
+`nested` descends one step at a time towards a peak it cannot reach, and a model of many small
+blocks (32 convolutions) takes more than 10 s of it on a 2-core CPU; cut short, it ends higher."""
+
+
+def _floors(profile: Profile, time_limit_s: float | None) -> list[Schedule]:
+    """Each method's schedule at a budget of 0 (the lowest peak it finds); on a recorded profile,
+    only those that can be applied in place. Methods whose solver is not installed are left out."""
+    out = []
     for name in METHODS:
         try:
             s = solve(profile, 0, name, time_limit_s)
@@ -215,42 +220,43 @@ def smallest_peak(profile: Profile, time_limit_s: float | None = 10.0) -> int:
             if not sharded(profile):
                 raise
             continue
-        if not _usable(profile, s):
-            continue
-        best = min(best, s.predicted_peak_bytes, s.min_peak_bytes or math.inf)
-    return int(best)
+        if _usable(profile, s):
+            out.append(s)
+    return out
 
 
-def lowest(profile: Profile, time_limit_s: float | None = 10.0) -> Schedule:
+def smallest_peak(profile: Profile, time_limit_s: float | None = FLOOR_TIME_LIMIT_S) -> int:
+    """The lowest simulated peak any method of `METHODS` reaches (for "raise the budget"
+    messages); on a recorded profile, among schedules that can be applied in place. Methods whose
+    solver is not installed are left out. Searches under a time limit (`nested` on a model of
+    many blocks) may end higher on a slower run: `lowest` gives the schedule with its peak."""
+    return min(s.predicted_peak_bytes for s in _floors(profile, time_limit_s))
+
+
+def lowest(profile: Profile, time_limit_s: float | None = FLOOR_TIME_LIMIT_S) -> Schedule:
     """The cheapest schedule that reaches the smallest achievable peak (`smallest_peak`): what
     `planner.plan(..., budget_gb=None)` applies. On a recorded profile, among schedules that can
-    be applied in place."""
-    least = smallest_peak(profile, time_limit_s)
+    be applied in place. The peak is the one found by the searches run here: `auto` at that
+    peak gives the cheapest schedule when it gets there within the time limit, else the
+    schedule that found the peak is returned (a search under a time limit is not run twice
+    hoping to end at the same place)."""
+    floors = _floors(profile, time_limit_s)
+    found = min(floors, key=lambda s: (s.predicted_peak_bytes, s.predicted_recompute_ms))
+    least = found.predicted_peak_bytes
     best = solve(profile, least, "auto", time_limit_s)
-    if best.feasible:
+    if best.feasible and best.predicted_recompute_ms <= found.predicted_recompute_ms:
         return best
-    for name in METHODS:  # the method that found the smallest peak, at a budget of 0
-        try:
-            s = solve(profile, 0, name, time_limit_s)
-        except SolverUnavailableError:
-            continue
-        except ScheduleError:
-            if not sharded(profile):
-                raise
-            continue
-        if _usable(profile, s) and s.predicted_peak_bytes <= least:
-            return finish(profile, s, least)
-    return best
+    return finish(profile, found, least)
 
 
-def pareto(profile: Profile, points: int = 10, time_limit_s: float | None = 10.0
+def pareto(profile: Profile, points: int = 10, time_limit_s: float | None = FLOOR_TIME_LIMIT_S
            ) -> list[Schedule]:
     """The memory/time front from the smallest achievable peak to no checkpointing: `auto`'s
     schedule at `points` budgets evenly spaced between the two, dominated ones left out (a
     schedule another one beats in both peak and time), by increasing peak."""
     none = solve(profile, 2**62, "none")
-    least = smallest_peak(profile, time_limit_s)
     front = [lowest(profile, time_limit_s)]
+    least = front[0].predicted_peak_bytes
     for k in range(1, points):
         budget = least + (none.predicted_peak_bytes - least) * k // max(1, points - 1)
         front.append(solve(profile, budget, "auto", time_limit_s))
