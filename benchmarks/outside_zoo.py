@@ -117,6 +117,104 @@ def _wav2vec2() -> Case:
                 "audio")
 
 
+IMAGE = 500
+"""The image placeholder token of the vision-language models below (their vocabulary is 512)."""
+
+
+def _vlm_text(rows: int, images: int, text: int, before: tuple[int, ...] = (1,),
+              after: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """Token ids, mask and labels of `rows` rows: `before`, `images` placeholders, `after`, then
+    `text` tokens; with more than one row, the last 5 of the second are padding. The labels leave
+    out the placeholders and the padding, as the processors' collators do."""
+    seq = [*before, *[IMAGE] * images, *after, *range(2, 2 + text)]
+    ids = torch.tensor([seq] * rows)
+    mask = torch.ones_like(ids)
+    if rows > 1:
+        mask[1, -5:] = 0
+    labels = ids.masked_fill((ids == IMAGE) | (mask == 0), -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _llama_text(**extra: Any) -> dict[str, Any]:
+    return dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                attention_dropout=P, **extra)
+
+
+def _llava() -> Case:
+    """LLaVA: a CLIP vision tower (features of its second-to-last layer), a projector, and a
+    Llama whose input embeddings get the image features where the placeholders are
+    (``masked_scatter``, after checking their count against the features')."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=2, dropout=P,
+                              attention_dropout=P)
+    config = LlavaConfig(vision_config=vision, text_config=LlamaConfig(**_llama_text()),
+                         image_token_index=IMAGE, vision_feature_layer=-2)
+
+    def batch(rows: int, text: int) -> dict[str, Any]:  # 16 patches per 32x32 image
+        return {**_vlm_text(rows, 16, text), "pixel_values": torch.randn(rows, 3, 32, 32)}
+
+    return Case(LlavaForConditionalGeneration(config).train(), batch(2, 40), None, batch(1, 8),
+                "multimodal")
+
+
+def _qwen2_vl() -> Case:
+    """Qwen2-VL: a vision transformer over a variable grid of patches (``image_grid_thw``),
+    merged 2x2, and multimodal RoPE, whose 3-D positions the model computes from the token ids
+    and grids in a Python loop over rows and images."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    text = _llama_text(rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    config = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE,
+                           vision_start_token_id=501, vision_end_token_id=502)
+
+    def batch(rows: int, side: int, text: int) -> dict[str, Any]:
+        """One image of side x side patches per row (side**2 / 4 tokens after merging)."""
+        out = _vlm_text(rows, side * side // 4, text, before=(1, 501), after=(502,))
+        return {**out, "pixel_values": torch.randn(rows * side * side, 3 * 2 * 4 * 4),
+                "image_grid_thw": torch.tensor([[1, side, side]] * rows),
+                "mm_token_type_ids": (out["input_ids"] == IMAGE).long()}
+
+    return Case(Qwen2VLForConditionalGeneration(config).train(), batch(2, 4, 40), None,
+                batch(1, 2, 8), "multimodal")
+
+
+def _paligemma() -> Case:
+    """PaliGemma: SigLIP image tokens as a prefix that attends both ways (``token_type_ids``
+    mark the suffix, which is causal), Gemma's decoder."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = PaliGemmaConfig(
+        vision_config=dict(model_type="siglip_vision_model", image_size=32, patch_size=8,
+                           hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, attention_dropout=P),
+        text_config=dict(model_type="gemma", vocab_size=512, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=16, attention_dropout=P),
+        image_token_index=IMAGE, projection_dim=64)
+
+    def batch(rows: int, text: int) -> dict[str, Any]:
+        out = _vlm_text(rows, 16, text, before=(), after=(2,))
+        suffix = torch.zeros_like(out["input_ids"])
+        suffix[:, 17 + text // 2:] = 1  # the second half of the text is the answer
+        return {**out, "pixel_values": torch.randn(rows, 3, 32, 32), "token_type_ids": suffix}
+
+    return Case(PaliGemmaForConditionalGeneration(config).train(), batch(2, 40), None,
+                batch(1, 8), "multimodal")
+
+
 def _clip() -> Case:
     """Two towers and a contrastive loss (``return_loss=True``)."""
     from transformers import CLIPConfig, CLIPModel
@@ -423,6 +521,9 @@ CASES: dict[str, Callable[[], Case]] = {
     "led": _led,
     "wav2vec2": _wav2vec2,
     "clip": _clip,
+    "llava": _llava,
+    "qwen2_vl": _qwen2_vl,
+    "paligemma": _paligemma,
     "mamba": _decoder("MambaConfig", "MambaForCausalLM", vocab_size=512, hidden_size=64,
                       state_size=8, num_hidden_layers=3),
     "lstm": _lstm,

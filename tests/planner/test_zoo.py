@@ -1,9 +1,10 @@
 """Models nobody on the team wrote, called the way people train them (`tests.zoo`): HF decoders with
 and without padded masks, an encoder, an encoder-decoder, vision models, PEFT LoRA, a top-2 MoE
-with data-dependent routing, value-dependent Python, a loss that takes targets; and the 31 families
+with data-dependent routing, value-dependent Python, a loss that takes targets; and the families
 of `benchmarks/outside_zoo.py` (more decoders and encoders, ALiBi, FFT mixing, block-sparse and
 relative attention, UMT5, Swin, BEiT, MobileViT, ViTMAE's random masking, Wav2Vec2, CLIP, LSTM,
-torch's own TransformerEncoder).
+torch's own TransformerEncoder, diffusers' U-Net, Flux and VAE, and vision-language models:
+LLaVA, Qwen2-VL, PaliGemma).
 
 Each is profiled once and planned at 0.75, 0.5 and 0.3 x its activation memory above the fixed
 memory. Where a plan exists it must train exactly like the model (same loss, gradients to rtol
