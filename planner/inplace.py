@@ -190,13 +190,16 @@ class _ReplayContext:
     values forward started from of the buffers the region restores (`Region.restores`)."""
 
     def __init__(self, slots: list[tuple[torch.nn.Module, str]], rec: Any,
-                 start: dict[tuple[int, str], torch.Tensor] | None = None) -> None:
-        self._slots, self._rec, self._start = slots, rec, start
+                 start: dict[tuple[int, str], torch.Tensor] | None = None,
+                 read: list[tuple[dict[str, Any], str, weakref.ref]] = ()) -> None:
+        self._slots, self._rec, self._start, self._read = slots, rec, start, read
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         with stack:  # copies first: the selective replay must not see the clones among its ops
+            if self._read:
+                stack.enter_context(_as_in_forward(self._read))
             if self._slots:
                 stack.enter_context(_buffer_copies(self._slots, self._start))
             stack.enter_context(self._rec)
@@ -204,6 +207,32 @@ class _ReplayContext:
 
     def __exit__(self, *exc: Any) -> bool:
         return bool(self._stacks.pop().__exit__(*exc))
+
+
+def _tensors_read(owners: list[torch.nn.Module]) -> list[tuple[dict[str, Any], str]]:
+    """(the dict, name) of every parameter and buffer slot of `owners` and their submodules."""
+    return [(d, name) for m in owners for sub in m.modules()
+            for d in (sub._parameters, sub._buffers) for name in d]
+
+
+@contextlib.contextmanager
+def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]]) -> Iterator[None]:
+    """Put back, while a replay runs, the parameters and buffers the region's forward ran with
+    where the module holds others now and those are still alive: a step through
+    `torch.func.functional_call` (MAML, stateless training) runs forward on the tensors it is
+    given, and by backward the module has its own again, so a replay would recompute from
+    other weights and give other gradients, as torch's own `checkpoint` does."""
+    swapped = []
+    for d, name, ref in read:
+        t = ref()
+        if t is not None and d.get(name) is not t:
+            swapped.append((d, name, d.get(name)))
+            d[name] = t
+    try:
+        yield
+    finally:
+        for d, name, was in reversed(swapped):
+            d[name] = was
 
 
 @contextlib.contextmanager
@@ -335,12 +364,27 @@ class _RegionRunner:
             self._slots.append((owner, attr))
             if name in region.restores:
                 self._restores.append((owner, attr))
+        module = root.get_submodule(region.module) if region.module else root
+        self._owners = [module]
+        if region.segment is not None and not region.staged and \
+                isinstance(module, torch.nn.Sequential):
+            i, j = region.segment
+            self._owners = list(module._modules.values())[i:j + 1]
+        self._read = None  # (dict, name) of the owners' tensors, listed on first use
+
+    def __getstate__(self) -> dict[str, Any]:
+        # `_read` holds the modules' own parameter dicts; a pickle would hold copies of them
+        state = dict(self.__dict__)
+        state["_read"] = None
+        return state
 
     def remap(self, memo: dict[int, Any]) -> _RegionRunner:
         new = _RegionRunner.__new__(_RegionRunner)
         new.__dict__.update(self.__dict__)
         new._slots = [(memo.get(id(m), m), a) for m, a in self._slots]
         new._restores = [(memo.get(id(m), m), a) for m, a in self._restores]
+        new._owners = [memo.get(id(m), m) for m in self.__dict__.get("_owners", ())]
+        new._read = None
         return new
 
     def _eager_context(self):
@@ -348,11 +392,17 @@ class _RegionRunner:
         # forward starts from them, and the frame keeps the copies until the region's backward.
         start = {(id(m), a): m._buffers[a].detach().clone() for m, a in self._restores
                  if m._buffers.get(a) is not None}
+        if self.__dict__.get("_read") is None:
+            self._read = _tensors_read(self.__dict__.get("_owners", []))
+        # Weak: what a module held in forward and drops before backward (offloading hooks)
+        # is not kept alive for the replay.
+        read = [(d, name, weakref.ref(t)) for d, name in self._read
+                if (t := d.get(name)) is not None]
         if not self._keys:
             return contextlib.nullcontext(), _ReplayContext(
-                self._slots, contextlib.nullcontext(), start)
+                self._slots, contextlib.nullcontext(), start, read)
         fwd, rec = _selective_contexts(self._keys)
-        return fwd, _ReplayContext(self._slots, _replayable(rec), start)
+        return fwd, _ReplayContext(self._slots, _replayable(rec), start, read)
 
     def run(self, fn, *args: Any) -> Any:
         fn, args = _once_each(fn, args)

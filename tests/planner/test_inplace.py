@@ -211,6 +211,35 @@ def test_a_planned_model_pickles_with_its_plan(zoo, name, wrapper, tmp_path):
     assert all("forward" not in m.__dict__ for m in loaded.modules())
 
 
+@pytest.mark.parametrize("name", ["hf_gpt2", "resnet_bn", "deep_narrow_cnn"])
+def test_a_step_through_functional_call_gets_the_gradients_of_the_tensors_given(zoo, name):
+    """`torch.func.functional_call` (MAML, stateless training) runs forward on the tensors it is
+    given, and by backward the module holds its own again: a region's replay runs on the
+    tensors its forward ran on, so the gradients are those of the unplanned model (they were
+    not, as with torch's own checkpoint). Module calls, traced stages and Sequential segments
+    alike; the module's own parameters and buffers are left as they were."""
+    p = zoo.plan(name, 0.3)
+    model, x = p.module, zoo.get(name)["x"]
+    assert p.schedule.regions
+    twin = copy.deepcopy(model)
+    planner.remove(twin)
+    args, kwargs = ((), x) if isinstance(x, dict) else (x if isinstance(x, tuple) else (x,), {})
+
+    def grads(m: nn.Module) -> dict[str, torch.Tensor]:
+        given = {k: (v.detach() * 1.1).requires_grad_() for k, v in m.named_parameters()}
+        given.update({k: v.clone() for k, v in m.named_buffers()})
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            default_loss(torch.func.functional_call(m, given, args, kwargs)).backward()
+        return {k: given[k].grad for k, _ in m.named_parameters() if given[k].grad is not None}
+
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    assert_grads_close(grads(twin), grads(model))
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, own[k], rtol=0, atol=0, msg=k)
+
+
 def test_batchnorm_running_stats_updated_once_per_step(zoo):
     p = zoo.plan("resnet_bn", 0.3)
     assert any(r.buffers for r in p.schedule.regions), "no region updates BatchNorm statistics"
