@@ -191,15 +191,17 @@ class _ReplayContext:
 
     def __init__(self, slots: list[tuple[torch.nn.Module, str]], rec: Any,
                  start: dict[tuple[int, str], torch.Tensor] | None = None,
-                 read: list[tuple[dict[str, Any], str, weakref.ref]] = ()) -> None:
+                 read: list[tuple[dict[str, Any], str, weakref.ref]] = (),
+                 scalars: list[tuple[torch.nn.Module, str, Any]] = ()) -> None:
         self._slots, self._rec, self._start, self._read = slots, rec, start, read
+        self._scalars = scalars
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         with stack:  # copies first: the selective replay must not see the clones among its ops
-            if self._read:
-                stack.enter_context(_as_in_forward(self._read))
+            if self._read or self._scalars:
+                stack.enter_context(_as_in_forward(self._read, self._scalars))
             if self._slots:
                 stack.enter_context(_buffer_copies(self._slots, self._start))
             stack.enter_context(self._rec)
@@ -209,30 +211,52 @@ class _ReplayContext:
         return bool(self._stacks.pop().__exit__(*exc))
 
 
-def _tensors_read(owners: list[torch.nn.Module]) -> list[tuple[dict[str, Any], str]]:
-    """(the dict, name) of every parameter and buffer slot of `owners` and their submodules."""
-    return [(d, name) for m in owners for sub in m.modules()
-            for d in (sub._parameters, sub._buffers) for name in d]
+_SCALARS = (int, float, bool)
+"""Types of the module attributes a replay starts from as forward did (`_as_in_forward`)."""
+
+_ABSENT = object()
+
+
+def _scalar_slots(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str]]:
+    """(module, name) of every int, float and bool attribute of `modules`."""
+    return [(m, k) for m in modules for k, v in m.__dict__.items() if type(v) in _SCALARS]
 
 
 @contextlib.contextmanager
-def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]]) -> Iterator[None]:
-    """Put back, while a replay runs, the parameters and buffers the region's forward ran with
-    where the module holds others now and those are still alive: a step through
-    `torch.func.functional_call` (MAML, stateless training) runs forward on the tensors it is
-    given, and by backward the module has its own again, so a replay would recompute from
-    other weights and give other gradients, as torch's own `checkpoint` does."""
+def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
+                   scalars: list[tuple[torch.nn.Module, str, Any]] = ()) -> Iterator[None]:
+    """Run a replay on the state its region's forward ran on, and leave the state as it was:
+
+    - the parameters and buffers forward read, where the modules hold others now and those are
+      still alive: a step through `torch.func.functional_call` (MAML, stateless training) runs
+      forward on the tensors it is given, and by backward the module has its own again;
+    - the modules' int, float and bool attributes as forward started: a forward that advances
+      a Python counter (a temperature annealed by step) would advance it again in the replay
+      and compute with the next value; the training flag, if set otherwise since.
+
+    Without it a replay recomputes from another state and gives other gradients, as torch's own
+    `checkpoint` does."""
     swapped = []
     for d, name, ref in read:
         t = ref()
         if t is not None and d.get(name) is not t:
             swapped.append((d, name, d.get(name)))
             d[name] = t
+    for m, k, v in scalars:
+        now = m.__dict__.get(k, _ABSENT)
+        if v is _ABSENT:
+            continue
+        if now is _ABSENT or type(now) is not type(v) or now != v:
+            swapped.append((m.__dict__, k, now))
+            m.__dict__[k] = v
     try:
         yield
     finally:
         for d, name, was in reversed(swapped):
-            d[name] = was
+            if was is _ABSENT:
+                d.pop(name, None)
+            else:
+                d[name] = was
 
 
 @contextlib.contextmanager
@@ -370,12 +394,15 @@ class _RegionRunner:
                 isinstance(module, torch.nn.Sequential):
             i, j = region.segment
             self._owners = list(module._modules.values())[i:j + 1]
+        self._shallow: list[torch.nn.Module] = []  # modules whose own slots count, not children's
         self._read = None  # (dict, name) of the owners' tensors, listed on first use
+        self._modules_in = None  # the owners and their submodules, listed with `_read`
+        self._scalar_slots: list[tuple[torch.nn.Module, str]] = []  # and their int/float/bool
 
     def __getstate__(self) -> dict[str, Any]:
         # `_read` holds the modules' own parameter dicts; a pickle would hold copies of them
         state = dict(self.__dict__)
-        state["_read"] = None
+        state["_read"] = state["_modules_in"] = None
         return state
 
     def remap(self, memo: dict[int, Any]) -> _RegionRunner:
@@ -384,25 +411,39 @@ class _RegionRunner:
         new._slots = [(memo.get(id(m), m), a) for m, a in self._slots]
         new._restores = [(memo.get(id(m), m), a) for m, a in self._restores]
         new._owners = [memo.get(id(m), m) for m in self.__dict__.get("_owners", ())]
-        new._read = None
+        new._shallow = [memo.get(id(m), m) for m in self.__dict__.get("_shallow", ())]
+        new._read = new._modules_in = None
         return new
+
+    def narrow(self, deep: list[torch.nn.Module], shallow: list[torch.nn.Module]) -> None:
+        """The region reads the parameters, buffers and attributes of `deep` and their
+        submodules, and of `shallow` without theirs (a run of traced code: the modules it calls,
+        the modules whose tensors it reads), not those of its whole module."""
+        self._owners, self._shallow = list(deep), list(shallow)
+        self._read = self._modules_in = None
 
     def _eager_context(self):
         # Called as the region's checkpoint starts: the buffers it restores are copied now, as
         # forward starts from them, and the frame keeps the copies until the region's backward.
         start = {(id(m), a): m._buffers[a].detach().clone() for m, a in self._restores
                  if m._buffers.get(a) is not None}
-        if self.__dict__.get("_read") is None:
-            self._read = _tensors_read(self.__dict__.get("_owners", []))
+        if self.__dict__.get("_read") is None or self.__dict__.get("_modules_in") is None:
+            mods = [sub for m in self.__dict__.get("_owners", []) for sub in m.modules()]
+            mods += self.__dict__.get("_shallow", [])
+            self._modules_in = list({id(m): m for m in mods}.values())
+            self._read = [(d, name) for sub in self._modules_in
+                          for d in (sub._parameters, sub._buffers) for name in d]
+            self._scalar_slots = _scalar_slots(self._modules_in)
         # Weak: what a module held in forward and drops before backward (offloading hooks)
         # is not kept alive for the replay.
         read = [(d, name, weakref.ref(t)) for d, name in self._read
                 if (t := d.get(name)) is not None]
+        scalars = [(m, k, m.__dict__.get(k, _ABSENT)) for m, k in self._scalar_slots]
         if not self._keys:
             return contextlib.nullcontext(), _ReplayContext(
-                self._slots, contextlib.nullcontext(), start, read)
+                self._slots, contextlib.nullcontext(), start, read, scalars)
         fwd, rec = _selective_contexts(self._keys)
-        return fwd, _ReplayContext(self._slots, _replayable(rec), start, read)
+        return fwd, _ReplayContext(self._slots, _replayable(rec), start, read, scalars)
 
     def run(self, fn, *args: Any) -> Any:
         fn, args = _once_each(fn, args)
@@ -520,6 +561,11 @@ class StagedForward:
                 "as it did when planned: the schedule was made for another model; re-plan")
         self._runners = _segment_runners(self.regions, len(self.graph.exec), 1, "traced nodes",
                                          where, root)
+        for i, j, runner in self._runners:
+            nodes = self.graph.exec[i:j + 1]
+            runner.narrow([module.get_submodule(n.target) for n in nodes if n.op == "call_module"],
+                          [module] + [module.get_submodule(n.target.rpartition(".")[0])
+                                      for n in nodes if n.op == "get_attr"])
         self._build()
         functools.update_wrapper(self, type(module).forward.__get__(module))
 

@@ -240,6 +240,53 @@ def test_a_step_through_functional_call_gets_the_gradients_of_the_tensors_given(
         torch.testing.assert_close(v, own[k], rtol=0, atol=0, msg=k)
 
 
+class _Annealed(nn.Module):
+    """A softmax whose temperature anneals with a Python step counter kept in forward, and a
+    branch taken on the first call only."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.calls, self.warm = 0, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = torch.softmax(self.lin(x) * (1.0 + 0.5 * self.calls), -1) * x
+        if not self.warm:
+            self.warm = True
+            y = y * 2
+        return y
+
+
+def test_a_replay_starts_from_the_python_state_its_forward_started_from():
+    """A forward that advances an int attribute (or sets a flag) would advance it again in the
+    replay and compute with the next value, giving other gradients with no error (as torch's own
+    checkpoint does). The replay starts from the int, float and bool attributes forward started
+    from and leaves them as forward left them (here in module calls and Sequential
+    segments)."""
+    torch.manual_seed(0)
+    dim = 32
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
+                                          nn.Linear(4 * dim, dim), _Annealed(dim))
+                            for _ in range(4)], nn.Linear(dim, 10))
+    x = torch.randn(16, 24, dim)
+    twin = copy.deepcopy(model)
+    planner.plan(model, None, example_inputs=x, repeats=1)
+    kinds = {type(w).__name__ for w in applied(model).wrapped.values()}
+    assert kinds == {"CheckpointedForward", "SegmentedForward"}, kinds
+    for m in (model, twin):
+        for a in m.modules():
+            if isinstance(a, _Annealed):
+                a.calls, a.warm = 0, False
+    for step in range(2):
+        l1, g1 = loss_and_grads(model, x)
+        l0, g0 = loss_and_grads(twin, x)
+        torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+        assert_grads_close(g0, g1)
+        counters = [(a.calls, a.warm) for a in model.modules() if isinstance(a, _Annealed)]
+        assert counters == [(step + 1, True)] * 4
+
+
 def test_batchnorm_running_stats_updated_once_per_step(zoo):
     p = zoo.plan("resnet_bn", 0.3)
     assert any(r.buffers for r in p.schedule.regions), "no region updates BatchNorm statistics"
