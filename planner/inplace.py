@@ -184,8 +184,8 @@ class _ReplayAgain(TorchDispatchMode):
 
 
 class _ReplayContext:
-    """The context a region's replay runs in: buffer copies (if the region updates buffers), then
-    the selective replay mode. An object, not a generator, because every backward through the
+    """The context a region's replay runs in: the state its forward ran on (`_as_in_forward`),
+    buffer copies (if the region updates buffers), then the selective replay mode. An object, not a generator, because every backward through the
     graph that replays the region enters it again (``retain_graph=True``). `start` holds the
     values forward started from of the buffers the region restores (`Region.restores`)."""
 
@@ -218,7 +218,8 @@ _ABSENT = object()
 
 
 def _scalar_slots(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str]]:
-    """(module, name) of every int, float and bool attribute of `modules`."""
+    """(module, name) of every int, float and bool attribute of `modules`, listed as a region
+    first runs: an attribute a forward creates later is not among them."""
     return [(m, k) for m in modules for k, v in m.__dict__.items() if type(v) in _SCALARS]
 
 
@@ -403,6 +404,7 @@ class _RegionRunner:
         # `_read` holds the modules' own parameter dicts; a pickle would hold copies of them
         state = dict(self.__dict__)
         state["_read"] = state["_modules_in"] = None
+        state["_scalar_slots"] = []
         return state
 
     def remap(self, memo: dict[int, Any]) -> _RegionRunner:
