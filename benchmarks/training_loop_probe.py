@@ -58,10 +58,7 @@ def _steps(model: torch.nn.Module, case: Case, step: Callable[[int, torch.optim.
 
 
 def plain(model, case, loss):
-    def step(s, opt):
-        loss(call(model, case.inputs)).backward()
-        opt.step()
-    _steps(model, case, step)
+    _steps(model, case, lambda s, opt: plain_step(model, case, loss, opt))
 
 
 def fp16_scaler(model, case, loss):

@@ -44,7 +44,7 @@ from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
 from solvers.profile import Profile
 from solvers.schedule import Region, Schedule
 from solvers.simulate import peak_breakdown, simulate, unsplittable_at_peak
-from solvers.solve import BASELINES, FLOOR_TIME_LIMIT_S, lowest, smallest_peak, solve
+from solvers.solve import BASELINES, FLOOR_TIME_LIMIT_S, lowest, solve
 from solvers.units import format_bytes, parse_budget
 
 __all__ = [
@@ -682,14 +682,12 @@ def _check_plannable(model: torch.nn.Module) -> None:
             )
 
 
-def _infeasible(profile: Profile, budget: int, schedule: Schedule,
-                margin: int = 0) -> InfeasibleBudgetError:
+def _infeasible(profile: Profile, budget: int, margin: int = 0) -> InfeasibleBudgetError:
     """The error for a budget (less `margin`, kept free for what other batches measured) below
     the smallest achievable peak: that peak, what it is made of (which no recomputation
     shrinks), and what would lower it."""
-    least = lowest(profile)
-    peak = least.predicted_peak_bytes if least.feasible else (
-        schedule.min_peak_bytes or smallest_peak(profile))
+    least = lowest(profile)  # a schedule at the smallest peak the searches found
+    peak = least.predicted_peak_bytes
     parts = peak_breakdown(profile, least)
     shown = "; ".join(f"{k} {format_bytes(v)}" for k, v in parts[:4]
                       if v >= peak // 100 and format_bytes(v) != format_bytes(0))
@@ -1003,12 +1001,12 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
         schedule = solve(profile, budget_bytes - SLACK_BYTES - margin_bytes, method=method,
                          time_limit_s=time_limit_s)
         if not schedule.feasible:
-            raise _infeasible(profile, budget_bytes, schedule, margin_bytes)
+            raise _infeasible(profile, budget_bytes, margin_bytes)
     else:
         schedule = solve_within(profile, budget_bytes, method, time_limit_s)
     t1 = time.perf_counter()
     if not schedule.feasible:
-        raise _infeasible(profile, budget_bytes, schedule)
+        raise _infeasible(profile, budget_bytes)
     schedule = dataclasses.replace(schedule, made_for=made_for(model, profile))
     apply_schedule(model, schedule)
     amp = getattr(torch, profile.meta.autocast) if profile.meta.autocast else None

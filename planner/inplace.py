@@ -389,22 +389,18 @@ class _RegionRunner:
             self._slots.append((owner, attr))
             if name in region.restores:
                 self._restores.append((owner, attr))
-        module = root.get_submodule(region.module) if region.module else root
-        self._owners = [module]
-        if region.segment is not None and not region.staged and \
-                isinstance(module, torch.nn.Sequential):
-            i, j = region.segment
-            self._owners = list(module._modules.values())[i:j + 1]
+        # The modules whose state a replay starts from as forward did (`_as_in_forward`): the
+        # region's module, or what the wrapper names with `narrow`.
+        self._owners = [root.get_submodule(region.module) if region.module else root]
         self._shallow: list[torch.nn.Module] = []  # modules whose own slots count, not children's
-        self._read = None  # (dict, name) of the owners' tensors, listed on first use
-        self._modules_in = None  # the owners and their submodules, listed with `_read`
-        self._scalar_slots: list[tuple[torch.nn.Module, str]] = []  # and their int/float/bool
+        self._modules_in = None  # owners and their submodules, listed on first use, with:
+        self._read: list[tuple[dict[str, Any], str]] = []  # their parameter and buffer slots
+        self._scalar_slots: list[tuple[torch.nn.Module, str]] = []  # their int/float/bool
 
     def __getstate__(self) -> dict[str, Any]:
         # `_read` holds the modules' own parameter dicts; a pickle would hold copies of them
         state = dict(self.__dict__)
-        state["_read"] = state["_modules_in"] = None
-        state["_scalar_slots"] = []
+        state["_modules_in"], state["_read"], state["_scalar_slots"] = None, [], []
         return state
 
     def remap(self, memo: dict[int, Any]) -> _RegionRunner:
@@ -414,7 +410,7 @@ class _RegionRunner:
         new._restores = [(memo.get(id(m), m), a) for m, a in self._restores]
         new._owners = [memo.get(id(m), m) for m in self.__dict__.get("_owners", ())]
         new._shallow = [memo.get(id(m), m) for m in self.__dict__.get("_shallow", ())]
-        new._read = new._modules_in = None
+        new._modules_in = None
         return new
 
     def narrow(self, deep: list[torch.nn.Module], shallow: list[torch.nn.Module]) -> None:
@@ -422,14 +418,14 @@ class _RegionRunner:
         submodules, and of `shallow` without theirs (a run of traced code: the modules it calls,
         the modules whose tensors it reads), not those of its whole module."""
         self._owners, self._shallow = list(deep), list(shallow)
-        self._read = self._modules_in = None
+        self._modules_in = None
 
     def _eager_context(self):
         # Called as the region's checkpoint starts: the buffers it restores are copied now, as
         # forward starts from them, and the frame keeps the copies until the region's backward.
         start = {(id(m), a): m._buffers[a].detach().clone() for m, a in self._restores
                  if m._buffers.get(a) is not None}
-        if self.__dict__.get("_read") is None or self.__dict__.get("_modules_in") is None:
+        if self.__dict__.get("_modules_in") is None:
             mods = [sub for m in self.__dict__.get("_owners", []) for sub in m.modules()]
             mods += self.__dict__.get("_shallow", [])
             self._modules_in = list({id(m): m for m in mods}.values())
@@ -516,6 +512,9 @@ class SegmentedForward:
         self.regions = sorted(regions, key=lambda r: r.segment)
         self._runners = _segment_runners(self.regions, len(module), 2, "children",
                                          repr(regions[0].module), root)
+        children = list(module._modules.values())
+        for i, j, runner in self._runners:
+            runner.narrow(children[i:j + 1], [])
         self._items = nest(0, len(module) - 1, self._runners)
         functools.update_wrapper(self, type(module).forward.__get__(module))
 

@@ -175,10 +175,10 @@ class GraphIndex:
         self._dead_ends: dict[int, int] | None = None
         self._last_forward_read: dict[int, int] | None = None
         self.spans: dict[tuple[int, int], tuple[list[int], frozenset[int], frozenset[int],
-                                                tuple[int, ...]]] = {}
+                                                tuple[int, ...], tuple[int, ...], bool]] = {}
         """A region's node span -> its forward nodes, the storages they make, the storages
-        they read from outside, the buffer storages its calls update (the simulator's,
-        computed once per span)."""
+        they read from outside, the buffer storages its calls update, those it restores, and
+        whether a node draws random numbers (the simulator's, computed once per span)."""
         self.replays: dict = {}
         """The simulator's replay of each region that saves nothing, by its span and those of
         the regions nested in it: it depends on nothing else in a schedule."""

@@ -133,6 +133,8 @@ class _Reg:
     """Buffer storages its calls update in place, which its replay runs on copies of."""
     restores: tuple[int, ...] = ()
     """Those of `buffers` its checkpoint copies as it starts, for the replay to start from."""
+    random: bool = False
+    """Whether a node in its span draws random numbers (its replay restores the RNG state)."""
     stages: tuple[list[int], list[int]] | None = None
     """For a run of a traced call's stages: the first and last node of each of the call's
     stages (its replay runs the generated code, `_traced_calls`)."""
@@ -201,8 +203,9 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
                                       tuple(sorted({s for ca, cb, sids, _ in g.buffer_calls
                                                     if a <= ca and cb <= b for s in sids})),
                                       tuple(sorted({s for ca, cb, _, rids in g.buffer_calls
-                                                    if a <= ca and cb <= b for s in rids})))
-        nodes, produced, inputs, buffers, restores = span
+                                                    if a <= ca and cb <= b for s in rids})),
+                                      any(g.random[i] for i in nodes))
+        nodes, produced, inputs, buffers, restores, random = span
         saved = set()
         for name in r.saved:
             j = g.name_to_i.get(name)
@@ -212,7 +215,8 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
         holds = g.call_holds.get((r.start, r.end), ())  # the call this region is, if any
         traced = _traced_calls(g, (r,))
         raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs, buffers=buffers,
-                      restores=restores, stages=(traced[0][2], traced[0][3]) if traced else None)
+                      restores=restores, random=random,
+                      stages=(traced[0][2], traced[0][3]) if traced else None)
     # A region that never replays (none of its saved tensors is read in backward) is left out,
     # its nodes belonging to its parent; leaving one out can change its parent, so repeat.
     keep = [k for _, _, k in spans]
@@ -345,7 +349,6 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         return t
 
     sigs: dict[int, tuple] = {}
-    random_spans: dict[tuple[int, int], bool] = cached(p, "random_spans", lambda _: {})
 
     def sig(k: int) -> tuple:
         """Region k's span, whether it runs traced code, and, recursively, those of the
@@ -355,12 +358,6 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
             sigs[k] = (r.nodes[0], r.nodes[-1], r.stages is not None,
                        tuple(sig(c) for c in r.children))
         return sigs[k]
-
-    def random(k: int) -> bool:
-        span = (regs[k].nodes[0], regs[k].nodes[-1])
-        if span not in random_spans:
-            random_spans[span] = any(g.random[i] for i in regs[k].nodes)
-        return random_spans[span]
 
     def snapshot(k: int) -> int:
         """Bytes of the buffer copies region k's checkpoint makes as it starts
@@ -376,8 +373,8 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         while todo:
             d = todo.pop()
             todo.extend(regs[d].children)
-            out.append((regs[d].nodes[0], random(d), regs[d].holds, snapshot(d)))
-        return random(k), sorted(out)
+            out.append((regs[d].nodes[0], regs[d].random, regs[d].holds, snapshot(d)))
+        return regs[k].random, sorted(out)
 
     recompute_ms = 0.0
     for k, r in enumerate(regs):
@@ -424,7 +421,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
             extra_free[r.bw_end] = extra_free.get(r.bw_end, 0) + b
     if g.rng_state_bytes:
         for k, r in enumerate(regs):
-            if random(k):
+            if regs[k].random:
                 a = r.nodes[0]
                 extra_alloc[a] = extra_alloc.get(a, 0) + g.rng_state_bytes
                 extra_free[r.bw_end] = extra_free.get(r.bw_end, 0) + g.rng_state_bytes

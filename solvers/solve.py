@@ -203,8 +203,8 @@ def _auto(profile: Profile, budget_bytes: int, time_limit_s: float | None) -> Sc
 
 FLOOR_TIME_LIMIT_S = 30.0
 """Seconds each method may search for its lowest peak (`smallest_peak`, `lowest`) by default.
-`nested` descends one step at a time towards a peak it cannot reach, and a model of many small
-blocks (32 convolutions) takes more than 10 s of it on a 2-core CPU; cut short, it ends higher."""
+`nested` descends one step at a time towards a peak it cannot reach; on a model of many small
+blocks the descent is long, and cut short it ends higher."""
 
 
 def _floors(profile: Profile, time_limit_s: float | None) -> list[Schedule]:
