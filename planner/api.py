@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from planner import compiled, inplace
-from planner.capture.record import default_loss, seeded, seeds_running_all, split_inputs
+from planner.capture.record import (
+    default_loss,
+    put_back,
+    python_state,
+    seeded,
+    seeds_running_all,
+    split_inputs,
+)
 from planner.fsdp import fsdp_cast, mixed_precision
 from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
@@ -454,7 +461,7 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
     params = dict(owner.named_parameters())
     state = copy.deepcopy({k: v.detach() for k, v in owner.state_dict().items()})
     old = {k: p.grad for k, p in params.items()}
-    with seeded(0):
+    with seeded(0), python_state(module):
         for p in params.values():
             p.grad = None
         device = next((p.device.type for p in params.values()), "cpu")
@@ -464,8 +471,8 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
         loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
     with torch.no_grad():
-        for k, v in owner.state_dict().items():
-            v.copy_(state[k])
+        for k, v in owner.state_dict(keep_vars=True).items():  # the tensors, not views
+            put_back(v, state[k])
     for k, p in params.items():
         p.grad = old[k]
     return loss.detach(), grads

@@ -6,7 +6,6 @@ its verdict: can it be a checkpointed region, and if not, why (the `blocker` of 
 
 from __future__ import annotations
 
-import bisect
 import datetime
 import json
 from collections import Counter
@@ -43,9 +42,9 @@ def call_blockers(rec: Recording) -> list[str]:
     - A tensor with an autograd graph left in a plain attribute of a module inside the call
       (RecurrentGemma's recurrent state): the replay would store the recomputed one.
 
-    A module buffer updated in place and read again later in the call (spectral norm's power
-    iteration) does not block it either: the region keeps a copy of it from its forward and
-    replays from that copy (`call_restores`).
+    A module buffer the call reads and that is updated in place after (spectral norm's power
+    iteration, an EMA codebook, a memory bank filled later) does not block it either: the region
+    keeps a copy of it from its forward and replays from that copy (`call_restores`).
     """
     per_module = Counter(c.module for c in rec.calls)
     made_at, writes = _writes(rec)
@@ -79,14 +78,29 @@ def call_blockers(rec: Recording) -> list[str]:
 
 
 def call_restores(rec: Recording) -> list[tuple[str, ...]]:
-    """For each call of `rec.calls`, the buffers it updates in place and reads again later inside
-    the call (spectral norm's power iteration updates ``_u`` and ``_v``, then computes the
-    weight from them): a replay must start from the values forward started from, not from
-    those forward left. (BatchNorm reads its statistics only in the op that updates them, and
-    its output does not depend on them in training: its replay runs on copies of the values
-    forward left, which costs nothing from forward to backward.)"""
-    rereads = _buffer_rereads(rec)
-    return [tuple(sorted({name for i, j, name in rereads if c.start <= i and j <= c.end}))
+    """For each call of `rec.calls`, the module buffers whose values its replay must start from
+    as forward did, not as forward left them: those the call reads (`_buffer_uses`) that an op
+    at or after the call's start writes in place, inside the call or later in the step.
+
+    - Spectral norm's power iteration updates ``_u`` and ``_v``, then computes the weight from
+      them; an EMA codebook (VQ-VAE, audio codecs) computes distances to its codes, then moves
+      them; a fused QAT observer (``fused_moving_avg_obs_fake_quant``) reads its statistics,
+      updates them and quantizes with the result, in one op.
+    - A memory bank read by one module and filled by its parent after it (MoCo's queue): the
+      replay in backward would read the codes enqueued since.
+
+    BatchNorm's training op reads its running statistics only to update them, and its output
+    does not depend on them: its replay runs on copies of the values forward left, which costs
+    nothing from forward to backward."""
+    uses = _buffer_uses(rec)
+    written: dict[str, list[int]] = {}  # buffer name -> forward and loss ops writing it
+    buffers = {r.storage: r.name for r in rec.ops if _is_buffer(r)}
+    for i, r in enumerate(rec.ops):
+        if r.phase in ("forward", "loss"):
+            for s in set(r.writes) & buffers.keys():
+                written.setdefault(buffers[s], []).append(i)
+    return [tuple(sorted({name for j, name in uses if c.start <= j <= c.end
+                          and written.get(name, [-1])[-1] >= c.start}))
             for c in rec.calls]
 
 
@@ -105,22 +119,23 @@ def _read_by(rec: Recording, c) -> set[int]:
     return out
 
 
-def _buffer_rereads(rec: Recording) -> list[tuple[int, int, str]]:
-    """(op, later op, buffer name) for each forward op that updates a module buffer in place and
-    the first later forward op that reads it again."""
+def _buffer_uses(rec: Recording) -> list[tuple[int, str]]:
+    """(op, buffer name) for each forward op whose results depend on a module buffer's value:
+    it reads the buffer and makes a tensor or writes another. Not uses: a view of the buffer
+    (its readers are), an in-place update of the buffer alone (``add_``, ``copy_`` into it),
+    and a batch-norm op updating its own running statistics."""
     buffers = {r.storage: r.name for r in rec.ops if _is_buffer(r)}
-    readers: dict[int, list[int]] = {}  # buffer storage -> forward ops reading it, in order
-    for j, r in enumerate(rec.ops):
-        if r.phase == "forward":
-            for s in {rec.ops[k].storage for k in r.inputs} & buffers.keys():
-                readers.setdefault(s, []).append(j)
     out = []
-    for i, r in enumerate(rec.ops):
-        for s in r.writes if r.phase == "forward" else ():
-            later = readers.get(s, [])
-            k = bisect.bisect_right(later, i)
-            if s in buffers and k < len(later):
-                out.append((i, later[k], buffers[s]))
+    for j, r in enumerate(rec.ops):
+        if r.phase != "forward" or r.view:
+            continue
+        for s in {rec.ops[k].storage for k in r.inputs} & buffers.keys():
+            others = set(r.writes) - {s}
+            if s in r.writes and not r.new_storages and not others:
+                continue
+            if s in r.writes and "batch_norm" in r.op:
+                continue
+            out.append((j, buffers[s]))
     return out
 
 
@@ -216,7 +231,7 @@ def to_profile(
         calls.append(ModuleCall(
             module=c.module, start=names[c.start], end=names[c.end], blocker=b,
             buffers=tuple(sorted({buffer_name[s] for r in rec.ops[c.start:c.end + 1]
-                                  for s in r.writes if s in buffer_name})),
+                                  for s in r.writes if s in buffer_name} | set(rs))),
             restores=rs,
             holds=tuple(sorted((c.holds | (c.args - _read_by(rec, c))) - fixed)),
             children=tuple(rec.sequential.get(c.module, ())),

@@ -32,6 +32,8 @@ from planner.capture.record import (
     default_loss,
     end_of_autocast,
     host_rng_state,
+    put_back,
+    python_state,
     set_host_rng_state,
     split_inputs,
 )
@@ -177,53 +179,54 @@ def measure(
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, dev)
 
-    try:
-        for _ in range(warmup):
-            reset(module)
-            _step(module, args, kwargs, loss_fn, optimizer, None, amp)
-            same_draw()
-        reset(module)
-        fixed = fixed_bytes(module, example_inputs, optimizer) + held_bytes + (
-            _storages_bytes([p.grad for p in params]) if grads_held else 0)
-        # No collection during the measured step: one its allocations happen to trigger could
-        # free what reference cycles hold from before the profiler started (the warm-up's, the
-        # caller's), lowering the running sum, or the step's own cycles, which the profile keeps
-        # to the step's end. (A full collection here instead costs as much as the whole
-        # process's objects, on every call.)
-        collecting = gc.isenabled()
-        gc.disable()
+    with python_state(module) if restore else contextlib.nullcontext():
         try:
-            if cuda:
-                peak, retained = _measure_cuda(module, args, kwargs, loss_fn, optimizer, amp)
-            else:
-                peak, retained = _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
-                                              same_draw, reset)
-        finally:
-            if collecting:
-                gc.enable()
-        times = []
-        for _ in range(repeats):
-            same_draw()
+            for _ in range(warmup):
+                reset(module)
+                _step(module, args, kwargs, loss_fn, optimizer, None, amp)
+                same_draw()
             reset(module)
-            if cuda:
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            _step(module, args, kwargs, loss_fn, optimizer, None, amp)
-            if cuda:
-                torch.cuda.synchronize(dev)
-            times.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        same_draw()
-        if saved_state is not None:
-            with torch.no_grad():
-                for p, v in zip(params, saved_state[0], strict=True):
-                    p.copy_(v)
-                for b, v in zip(module.buffers(), saved_state[1], strict=True):
-                    b.copy_(v)
-        if saved_opt is not None:
-            optimizer.load_state_dict(saved_opt)
-        for p, g in zip(params, saved_grads, strict=True):
-            p.grad = g
+            fixed = fixed_bytes(module, example_inputs, optimizer) + held_bytes + (
+                _storages_bytes([p.grad for p in params]) if grads_held else 0)
+            # No collection during the measured step: one its allocations happen to trigger could
+            # free what reference cycles hold from before the profiler started (the warm-up's, the
+            # caller's), lowering the running sum, or the step's own cycles, which the profile keeps
+            # to the step's end. (A full collection here instead costs as much as the whole
+            # process's objects, on every call.)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                if cuda:
+                    peak, retained = _measure_cuda(module, args, kwargs, loss_fn, optimizer, amp)
+                else:
+                    peak, retained = _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
+                                                  same_draw, reset)
+            finally:
+                if collecting:
+                    gc.enable()
+            times = []
+            for _ in range(repeats):
+                same_draw()
+                reset(module)
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                _step(module, args, kwargs, loss_fn, optimizer, None, amp)
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                times.append((time.perf_counter() - t0) * 1e3)
+        finally:
+            same_draw()
+            if saved_state is not None:
+                with torch.no_grad():
+                    for p, v in zip(params, saved_state[0], strict=True):
+                        p.copy_(v)
+                    for b, v in zip(module.buffers(), saved_state[1], strict=True):
+                        put_back(b, v)
+            if saved_opt is not None:
+                optimizer.load_state_dict(saved_opt)
+            for p, g in zip(params, saved_grads, strict=True):
+                p.grad = g
     return Measurement(
         peak_bytes=fixed + peak,
         retained_bytes=retained,

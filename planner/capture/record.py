@@ -1014,24 +1014,60 @@ def seeded(seed: int | None) -> Iterator[None]:
             set_host_rng_state(host)
 
 
+def put_back(dst: torch.Tensor, value: torch.Tensor) -> None:
+    """Write `value` into `dst` in place, whatever shape `dst` has now: a buffer may be resized
+    by the step itself (a quantization observer's statistics start empty and take their shape
+    on the first call)."""
+    if dst.shape != value.shape:
+        dst.resize_(value.shape)
+    dst.copy_(value)
+
+
+@contextlib.contextmanager
+def python_state(model: torch.nn.Module) -> Iterator[None]:
+    """Put the int and float attributes of the model's modules back as they were: a step may
+    advance a counter (a memory bank's write position, the step an annealed temperature reads),
+    and steps the planner runs are not steps of training. Flags (bools) and attributes a step
+    creates stay: they mark one-time work done, as transformers' flag that its output-capturing
+    hooks are installed does, and putting them back would do it again."""
+    mods = list(model.modules())
+    before = [{k: v for k, v in m.__dict__.items() if type(v) in (int, float)} for m in mods]
+    try:
+        yield
+    finally:
+        for m, was in zip(mods, before, strict=True):
+            for k, v in was.items():
+                if type(m.__dict__.get(k)) in (int, float):
+                    m.__dict__[k] = v
+
+
 @contextlib.contextmanager
 def restoring(spec: StepSpec) -> Iterator[None]:
-    """Leave the model's buffers (BatchNorm statistics), parameters' gradients and the RNG
-    streams (`seeded`) as they were; with `spec.seed`, seed them for the run. Gradients are None
+    """Leave the model's buffers (BatchNorm statistics), parameters' gradients, Python scalars
+    (`python_state`) and the RNG streams (`seeded`) as they were; with `spec.seed`, seed them for the run. Gradients are None
     during the run, as after ``zero_grad()``: `run_step` takes them with `torch.autograd.grad`,
     but a model may call ``backward()`` itself (Reformer's reversible layers, in their backward),
     which would accumulate into the user's ``.grad``."""
     saved = {k: v.detach().clone() for k, v in spec.buffers.items() if v.device.type != "meta"}
+    leaves = {k for k, v in spec.buffers.items() if v.grad_fn is None and not v.requires_grad}
     grads = {k: p.grad for k, p in spec.params.items()}
     for p in spec.params.values():
         p.grad = None
-    with seeded(spec.seed):
+    with seeded(spec.seed), python_state(spec.model):
         try:
             yield
         finally:
             with torch.no_grad():
                 for k, v in saved.items():
-                    spec.buffers[k].copy_(v)
+                    put_back(spec.buffers[k], v)
+            for k in leaves:
+                # The stage run (`_find_stages`) runs traced code, which drops the forward's
+                # `torch.no_grad()` blocks: an in-place update there (an EMA codebook's) made
+                # the buffer a non-leaf of the step's graph.
+                b = spec.buffers[k]
+                if b.grad_fn is not None or b.requires_grad:
+                    b.detach_()
+                    b.requires_grad_(False)
             for k, g in grads.items():
                 spec.params[k].grad = g
 
@@ -1106,6 +1142,7 @@ def record_step(
         try:
             with rec:
                 out_sids, loss_sid, grad_sids = run_step(spec, rec, hooks=True)
+            _grown_buffers(rec, spec)
         except CkptPlannerError:
             raise
         except Exception as e:  # noqa: BLE001 - the model's own error, with where it happened
@@ -1141,6 +1178,18 @@ def record_step(
     if workspace and not fake and (device is None or device.type == "cpu"):
         _measure_workspace(spec, recording)
     return recording
+
+
+def _grown_buffers(rec: _Recorder, spec: StepSpec) -> None:
+    """A buffer the step resized in place counts at the size it has after the step: a
+    quantization observer's statistics start empty and take their shape on the first call,
+    and the recorded step starts from the buffers as they were before the warm-up
+    (`restoring`), while every step of training after the first finds them grown."""
+    for b in spec.buffers.values():
+        st = b.untyped_storage()
+        sid = rec.sid_of.get(id(st))
+        if sid is not None and sid in rec.buffer_sids:
+            rec.storage_bytes[sid] = max(rec.storage_bytes[sid], int(st.nbytes()))
 
 
 RANDOM_SKIP_DRAWS = 64
