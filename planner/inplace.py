@@ -41,6 +41,7 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
 )
 
 from planner.capture.record import op_name
@@ -396,6 +397,7 @@ class _RegionRunner:
         self._modules_in = None  # owners and their submodules, listed on first use, with:
         self._read: list[tuple[dict[str, Any], str]] = []  # their parameter and buffer slots
         self._scalar_slots: list[tuple[torch.nn.Module, str]] = []  # their int/float/bool
+        self._script: bool | None = None  # whether they hold a ScriptModule (on first run)
 
     def __getstate__(self) -> dict[str, Any]:
         # `_read` holds the modules' own parameter dicts; a pickle would hold copies of them
@@ -411,6 +413,7 @@ class _RegionRunner:
         new._owners = [memo.get(id(m), m) for m in self.__dict__.get("_owners", ())]
         new._shallow = [memo.get(id(m), m) for m in self.__dict__.get("_shallow", ())]
         new._modules_in = None
+        new._script = None
         return new
 
     def narrow(self, deep: list[torch.nn.Module], shallow: list[torch.nn.Module]) -> None:
@@ -418,7 +421,7 @@ class _RegionRunner:
         submodules, and of `shallow` without theirs (a run of traced code: the modules it calls,
         the modules whose tensors it reads), not those of its whole module."""
         self._owners, self._shallow = list(deep), list(shallow)
-        self._modules_in = None
+        self._modules_in = self._script = None
 
     def _eager_context(self):
         # Called as the region's checkpoint starts: the buffers it restores are copied now, as
@@ -430,7 +433,9 @@ class _RegionRunner:
             mods += self.__dict__.get("_shallow", [])
             self._modules_in = list({id(m): m for m in mods}.values())
             self._read = [(d, name) for sub in self._modules_in
-                          for d in (sub._parameters, sub._buffers) for name in d]
+                          for d in (sub._parameters, sub._buffers)
+                          if isinstance(d, dict)  # a ScriptModule's are C++ wrappers
+                          for name in d]
             self._scalar_slots = _scalar_slots(self._modules_in)
         # Weak: what a module held in forward and drops before backward (offloading hooks)
         # is not kept alive for the replay.
@@ -459,9 +464,18 @@ class _RegionRunner:
                               preserve_rng_state=self.region.preserve_rng, **extra)
         if _AUTOCAST_DUE is not None:  # eager only: dynamo never reads the global
             _check_autocast(args)
-        return checkpoint(fn, *args, use_reentrant=False,
-                          preserve_rng_state=self.region.preserve_rng,
-                          context_fn=self._eager_context)
+        script = self.__dict__.get("_script")
+        if script is None:
+            script = self._script = any(isinstance(sub, torch.jit.ScriptModule)
+                                        for m in self.__dict__.get("_owners", [])
+                                        for sub in m.modules())
+        # A replay stops early by raising from a saved-tensor hook; raised inside a
+        # ScriptModule's op, the TorchScript interpreter turns it into a RuntimeError that
+        # checkpoint does not catch, and backward fails: such a region replays to its end.
+        with set_checkpoint_early_stop(False) if script else contextlib.nullcontext():
+            return checkpoint(fn, *args, use_reentrant=False,
+                              preserve_rng_state=self.region.preserve_rng,
+                              context_fn=self._eager_context)
 
 
 class CheckpointedForward:
