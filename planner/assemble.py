@@ -41,6 +41,8 @@ def call_blockers(rec: Recording) -> list[str]:
       would store it again.
     - A tensor with an autograd graph left in a plain attribute of a module inside the call
       (RecurrentGemma's recurrent state): the replay would store the recomputed one.
+    - A random op given a `torch.Generator` of the model's own (``bernoulli_(p, generator=g)``):
+      checkpoint restores only torch's default generators, so the replay would draw anew.
 
     A module buffer the call reads and that is updated in place after (spectral norm's power
     iteration, an EMA codebook, a memory bank filled later) does not block it either: the region
@@ -55,6 +57,11 @@ def call_blockers(rec: Recording) -> list[str]:
             if c.start <= i <= c.end and made_at.get(s, -1) < c.start:
                 reason = f"writes in place to a tensor made before the call ({rec.ops[i].op})"
                 break
+        drawn = next((r.op for r in rec.ops[c.start:c.end + 1] if r.own_generator), None)
+        if not reason and drawn:
+            reason = (f"draws random numbers from a torch.Generator of its own ({drawn}): "
+                      "checkpoint restores only torch's default generators, so a replay would "
+                      "draw other numbers than forward did")
         for i, attr in rec.attribute_stores:
             if not reason and c.start <= i <= c.end:
                 reason = (f"stores a tensor it computes, with its autograd graph, on a module "

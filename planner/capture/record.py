@@ -210,6 +210,9 @@ class OpRecord:
     bytes_moved: int = 0
     time_ms: float = 0.0
     random: bool = False
+    own_generator: bool = False
+    """The op draws from a `torch.Generator` it is given, not torch's default one: checkpoint
+    preserves only the default generators' state, so a replay would draw the next numbers."""
     mutates_buffer: bool = False
     writes: list[int] = field(default_factory=list)
     """Storages the op mutates in place."""
@@ -643,6 +646,7 @@ class _Recorder(TorchDispatchMode):
             bytes_moved=sum(t.numel() * t.element_size() for t in in_tensors)
             + sum(t.numel() * t.element_size() for t in _tensors(out)),
             random=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
+            own_generator=_own_generator(args, kwargs),
             mutates_buffer=any(s in self.buffer_sids for s in writes),
             writes=writes,
             dynamic=_dynamic_reason(func),
@@ -1012,6 +1016,14 @@ def seeded(seed: int | None) -> Iterator[None]:
             yield
         finally:
             set_host_rng_state(host)
+
+
+def _own_generator(args: tuple, kwargs: dict | None) -> bool:
+    """Whether an op's arguments pass a `torch.Generator` other than torch's default ones."""
+    defaults = (torch.default_generator,
+                *(torch.cuda.default_generators if torch.cuda.is_initialized() else ()))
+    return any(isinstance(a, torch.Generator) and not any(a is d for d in defaults)
+               for a in (*args, *(kwargs or {}).values()))
 
 
 def put_back(dst: torch.Tensor, value: torch.Tensor) -> None:
