@@ -41,6 +41,8 @@ def call_blockers(rec: Recording) -> list[str]:
       would store it again.
     - A tensor with an autograd graph left in a plain attribute of a module inside the call
       (RecurrentGemma's recurrent state): the replay would store the recomputed one.
+    - A read of a tensor a module keeps in a plain attribute, replaced later in the step
+      (Transformer-XL's memory of the last segment): the replay would read the new tensor.
     - A random op given a `torch.Generator` of the model's own (``bernoulli_(p, generator=g)``):
       checkpoint restores only torch's default generators, so the replay would draw anew.
 
@@ -62,6 +64,11 @@ def call_blockers(rec: Recording) -> list[str]:
             reason = (f"draws random numbers from a torch.Generator of its own ({drawn}): "
                       "checkpoint restores only torch's default generators, so a replay would "
                       "draw other numbers than forward did")
+        for i, attr in rec.attribute_rereads:
+            if not reason and c.start <= i <= c.end:
+                reason = (f"reads the tensor a module attribute ({attr!r}) held as it started, "
+                          "which the step replaces later (a recurrent memory, as "
+                          "Transformer-XL's): a replay would read the new one")
         for i, attr in rec.attribute_stores:
             if not reason and c.start <= i <= c.end:
                 reason = (f"stores a tensor it computes, with its autograd graph, on a module "

@@ -297,6 +297,10 @@ class Recording:
     attribute_stores: list[tuple[int, str]] = field(default_factory=list)
     """(op, ``module.attribute``) where a forward call left a tensor with an autograd graph in
     a plain attribute of its module (the op: the call's last)."""
+    attribute_rereads: list[tuple[int, str]] = field(default_factory=list)
+    """(op, ``module.attribute``) where a forward op read the tensor a plain attribute of a
+    module held as the module's call started, and the attribute holds another by the step's
+    end (Transformer-XL's memory: read, then replaced by this segment's)."""
     rows: dict[int, int] = field(default_factory=dict)
     """Op index -> first dimension of its tensor, for parameters and the ops holding their
     gradients (`solvers.profile.Node.rows`: FSDP2 shards along it)."""
@@ -426,6 +430,30 @@ def _fake_counterparts(tensors: list[torch.Tensor], sids: list[int]) -> dict[int
     return {mode.from_tensor(t).untyped_storage()._cdata: s for t, s in real}
 
 
+@dataclass
+class _Watched:
+    """A tensor a module's plain attribute held as a call of the module started."""
+
+    label: str
+    module: weakref.ref
+    attr: str
+    tensor: weakref.ref
+    reads: list[int] = field(default_factory=list)
+
+
+def _attribute_rereads(rec: _Recorder) -> list[tuple[int, str]]:
+    """(op, ``module.attribute``) for each read of a watched tensor whose attribute holds
+    another one now (or none): a replay of a call around the read would read the new one."""
+    out = set()
+    for ws in rec.watched.values():
+        for w in ws:
+            mod = w.module()
+            if w.reads and (mod is None or vars(mod).get(w.attr) is not w.tensor()):
+                out.update((i, w.label) for i in w.reads)
+    rec.watched.clear()
+    return sorted(out)
+
+
 class _Recorder(TorchDispatchMode):
     """Records every aten op below autograd; see the module docstring."""
 
@@ -457,6 +485,10 @@ class _Recorder(TorchDispatchMode):
         last call that took it returned, for an object that dies before forward ends (HF
         Gemma3n's KV-sharing dict, made and dropped by the model's forward)."""
         self.attribute_stores: list[tuple[int, str]] = []
+        self.attribute_rereads: list[tuple[int, str]] = []  # `Recording.attribute_rereads`
+        self.watched: dict[int, list[_Watched]] = {}
+        """Storage (``_cdata``) -> the tensors held in modules' plain attributes as their calls
+        started, whose reads are noted (`attribute_rereads`)."""
         """(last op of the call, ``module.attribute``) for each forward call that left a tensor
         with an autograd graph in a plain attribute of its module (RecurrentGemma's
         ``self.recurrent_states = ...``)."""
@@ -562,6 +594,11 @@ class _Recorder(TorchDispatchMode):
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
         in_tensors = _tensors((args, kwargs))
         in_sids = [self.sid(t) for t in in_tensors]
+        if self.watched and self.phase == "forward":
+            for t in in_tensors:
+                for w in self.watched.get(t.untyped_storage()._cdata, ()):
+                    if w.tensor() is not None:
+                        w.reads.append(len(self.ops))
         out = func(*args, **kwargs)
         self._record(func, args, kwargs, in_tensors, in_sids, out, seq, node)
         return out
@@ -860,6 +897,11 @@ class _Recorder(TorchDispatchMode):
                 starts.append(len(self.ops))
                 args_of.append(self._argument_refs((args, kwargs)))
                 attrs_of.append(tensor_attrs(mod))
+                if self.structure and self.phase == "forward":
+                    for k, v in vars(mod).items():
+                        if isinstance(v, torch.Tensor) and v.device.type != "meta":
+                            self.watched.setdefault(v.untyped_storage()._cdata, []).append(
+                                _Watched(f"{name}.{k}", weakref.ref(mod), k, weakref.ref(v)))
             return hook
 
         def post(name):
@@ -1037,19 +1079,23 @@ def put_back(dst: torch.Tensor, value: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def python_state(model: torch.nn.Module) -> Iterator[None]:
-    """Put the int and float attributes of the model's modules back as they were: a step may
-    advance a counter (a memory bank's write position, the step an annealed temperature reads),
-    and steps the planner runs are not steps of training. Flags (bools) and attributes a step
-    creates stay: they mark one-time work done, as transformers' flag that its output-capturing
-    hooks are installed does, and putting them back would do it again."""
+    """Put the int, float and tensor attributes of the model's modules back as they were: a
+    step may advance a counter (a memory bank's write position, the step an annealed
+    temperature reads) or replace a recurrent memory (Transformer-XL's last segment), and steps
+    the planner runs are not steps of training. Flags (bools) and attributes a step creates
+    stay: they mark one-time work done, as transformers' flag that its output-capturing hooks
+    are installed does, and putting them back would do it again."""
+    kinds = (int, float, torch.Tensor)
     mods = list(model.modules())
-    before = [{k: v for k, v in m.__dict__.items() if type(v) in (int, float)} for m in mods]
+    before = [{k: v for k, v in m.__dict__.items()
+               if type(v) in (int, float) or isinstance(v, torch.Tensor)} for m in mods]
     try:
         yield
     finally:
         for m, was in zip(mods, before, strict=True):
             for k, v in was.items():
-                if type(m.__dict__.get(k)) in (int, float):
+                now = m.__dict__.get(k)
+                if now is not v and isinstance(now, kinds) and type(now) is not bool:
                     m.__dict__[k] = v
 
 
@@ -1155,6 +1201,7 @@ def record_step(
             with rec:
                 out_sids, loss_sid, grad_sids = run_step(spec, rec, hooks=True)
             _grown_buffers(rec, spec)
+            rec.attribute_rereads = _attribute_rereads(rec)
         except CkptPlannerError:
             raise
         except Exception as e:  # noqa: BLE001 - the model's own error, with where it happened
@@ -1514,6 +1561,7 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
         input_shapes=input_shapes,
         module_paths=[n for n, _ in spec.model.named_modules()],
         attribute_stores=[(i + n_ph, a) for i, a in rec.attribute_stores],
+        attribute_rereads=[(i + n_ph, a) for i, a in rec.attribute_rereads],
         sequential={
             n: list(m._modules)
             for n, m in spec.model.named_modules()
