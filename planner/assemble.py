@@ -39,8 +39,6 @@ def call_blockers(rec: Recording) -> list[str]:
     - A tensor made inside the call and stored into an object the call was given (an HF
       ``DynamicCache`` under ``use_cache=True``, a list collecting hidden states): the replay
       would store it again.
-    - A tensor with an autograd graph left in a plain attribute of a module inside the call
-      (RecurrentGemma's recurrent state): the replay would store the recomputed one.
     - A read of a tensor a module keeps in a plain attribute, replaced later in the step
       (Transformer-XL's memory of the last segment): the replay would read the new tensor.
     - A random op given a `torch.Generator` of the model's own (``bernoulli_(p, generator=g)``):
@@ -69,11 +67,6 @@ def call_blockers(rec: Recording) -> list[str]:
                 reason = (f"reads the tensor a module attribute ({attr!r}) held as it started, "
                           "which the step replaces later (a recurrent memory, as "
                           "Transformer-XL's): a replay would read the new one")
-        for i, attr in rec.attribute_stores:
-            if not reason and c.start <= i <= c.end:
-                reason = (f"stores a tensor it computes, with its autograd graph, on a module "
-                          f"({attr!r}): a replay would store the recomputed one, which keeps the "
-                          "replay's tensors alive")
         if not reason and any(c.start <= made_at.get(s, -1) <= c.end for s in c.holds):
             reason = ("stores tensors it makes into an object it was given, where a replay would "
                       "store its recomputed ones (a KV cache: call the model with use_cache=False "

@@ -193,16 +193,17 @@ class _ReplayContext:
     def __init__(self, slots: list[tuple[torch.nn.Module, str]], rec: Any,
                  start: dict[tuple[int, str], torch.Tensor] | None = None,
                  read: list[tuple[dict[str, Any], str, weakref.ref]] = (),
-                 scalars: list[tuple[torch.nn.Module, str, Any]] = ()) -> None:
+                 scalars: list[tuple[torch.nn.Module, str, Any]] = (),
+                 modules: list[torch.nn.Module] = ()) -> None:
         self._slots, self._rec, self._start, self._read = slots, rec, start, read
-        self._scalars = scalars
+        self._scalars, self._modules = scalars, modules
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         with stack:  # copies first: the selective replay must not see the clones among its ops
-            if self._read or self._scalars:
-                stack.enter_context(_as_in_forward(self._read, self._scalars))
+            if self._read or self._scalars or self._modules:
+                stack.enter_context(_as_in_forward(self._read, self._scalars, self._modules))
             if self._slots:
                 stack.enter_context(_buffer_copies(self._slots, self._start))
             stack.enter_context(self._rec)
@@ -226,7 +227,8 @@ def _scalar_slots(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module,
 
 @contextlib.contextmanager
 def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
-                   scalars: list[tuple[torch.nn.Module, str, Any]] = ()) -> Iterator[None]:
+                   scalars: list[tuple[torch.nn.Module, str, Any]] = (),
+                   modules: list[torch.nn.Module] = ()) -> Iterator[None]:
     """Run a replay on the state its region's forward ran on, and leave the state as it was:
 
     - the parameters and buffers forward read, where the modules hold others now and those are
@@ -234,10 +236,15 @@ def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
       forward on the tensors it is given, and by backward the module has its own again;
     - the modules' int, float and bool attributes as forward started: a forward that advances
       a Python counter (a temperature annealed by step) would advance it again in the replay
-      and compute with the next value; the training flag, if set otherwise since.
+      and compute with the next value; the training flag, if set otherwise since;
+    - the tensors the `modules` hold in plain attributes, as forward left them: a forward that
+      stores a tensor it computes on its module (an MoE layer's auxiliary loss, an attention
+      map kept for inspection) would leave the replay's there, with the replay's graph.
 
     Without it a replay recomputes from another state and gives other gradients, as torch's own
-    `checkpoint` does."""
+    `checkpoint` does. (A region never reads a tensor attribute the step replaces after: such
+    a call is blocked, `Recording.attribute_rereads`.)"""
+    kept = [(m.__dict__, dict(m.__dict__)) for m in modules]
     swapped = []
     for d, name, ref in read:
         t = ref()
@@ -259,6 +266,17 @@ def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
                 d.pop(name, None)
             else:
                 d[name] = was
+        for d, was in kept:
+            for k in [k for k, v in d.items() if was.get(k, _ABSENT) is not v]:
+                old = was.get(k, _ABSENT)
+                if isinstance(d[k], torch.Tensor) or isinstance(old, torch.Tensor):
+                    if old is _ABSENT:
+                        del d[k]
+                    else:
+                        d[k] = old
+            for k in was.keys() - d.keys():
+                if isinstance(was[k], torch.Tensor):
+                    d[k] = was[k]
 
 
 @contextlib.contextmanager
@@ -444,9 +462,10 @@ class _RegionRunner:
         scalars = [(m, k, m.__dict__.get(k, _ABSENT)) for m, k in self._scalar_slots]
         if not self._keys:
             return contextlib.nullcontext(), _ReplayContext(
-                self._slots, contextlib.nullcontext(), start, read, scalars)
+                self._slots, contextlib.nullcontext(), start, read, scalars, self._modules_in)
         fwd, rec = _selective_contexts(self._keys)
-        return fwd, _ReplayContext(self._slots, _replayable(rec), start, read, scalars)
+        return fwd, _ReplayContext(self._slots, _replayable(rec), start, read, scalars,
+                                   self._modules_in)
 
     def run(self, fn, *args: Any) -> Any:
         fn, args = _once_each(fn, args)

@@ -915,6 +915,53 @@ def test_buffers_read_then_updated_replay_from_the_values_forward_read(name):
         torch.testing.assert_close(t1, t0, rtol=1e-6, atol=1e-7, msg=k)
 
 
+class _AuxLossMoE(nn.Module):
+    """Top-1 routing over two experts; the load-balancing loss is left on the module for the
+    training loop to add, as fairscale's and DeepSpeed's MoE layers leave ``l_aux``."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.norm, self.gate = nn.LayerNorm(dim), nn.Linear(dim, 2)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                   nn.Linear(4 * dim, dim)) for _ in range(2))
+        self.l_aux = None
+
+    def forward(self, x):
+        h = self.norm(x)
+        probs = self.gate(h).softmax(-1)
+        top = probs.argmax(-1, keepdim=True)
+        self.l_aux = 2 * (probs.mean((0, 1)) * nn.functional.one_hot(
+            top.squeeze(-1), 2).float().mean((0, 1))).sum()
+        return x + sum(e(h) * (top == i) * probs[..., i:i + 1]
+                       for i, e in enumerate(self.experts))
+
+
+def test_a_call_leaving_a_tensor_on_its_module_is_a_region():
+    """A call that stores a tensor it computes on its module (an MoE layer's auxiliary loss
+    read by the training loop) was blocked, since its replay would store the recomputed one
+    and keep the replay's graph alive: such a model could not checkpoint its blocks. The
+    replay now leaves the module's tensor attributes as forward left them, so the blocks are
+    regions, gradients are exact and the loop reads forward's tensor after backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_AuxLossMoE() for _ in range(4)], nn.Linear(32, 10))
+    x = torch.randn(8, 32, 32)
+    moes = list(model[:4])
+
+    def loss_fn(out):
+        return out.square().mean() + 0.01 * sum(m.l_aux for m in moes)
+
+    p = planner.plan(model, None, example_inputs=x, loss_fn=loss_fn, repeats=1)
+    assert not any(c.blocker for c in p.profile.calls)
+    assert {r.module for r in p.schedule.regions} & {"1", "2"}, p.schedule.regions
+    v = p.verify(repeats=1)
+    assert v.max_grad_rel_err == 0.0
+    assert abs(v.predicted_peak_bytes - v.measured_peak_bytes) <= 256, v
+    loss = loss_fn(model(x))
+    stored = [m.l_aux for m in moes]
+    loss.backward()
+    assert all(m.l_aux is t for m, t in zip(moes, stored, strict=True))
+
+
 class _MemoryBlock(nn.Module):
     """Transformer-XL's recurrence: attends over [memory; x], then keeps the end of this
     segment as the next one's memory (a detached tensor in a plain attribute)."""
