@@ -44,12 +44,19 @@ def call_blockers(rec: Recording) -> list[str]:
     - A random op given a `torch.Generator` of the model's own (``bernoulli_(p, generator=g)``):
       checkpoint restores only torch's default generators, so the replay would draw anew.
 
+    - A tensor with an autograd graph left in a plain attribute of a module inside the call,
+      where ops behind it that save tensors never run backward (an attention map kept for
+      inspection): its nodes keep the checkpoint's frame, and with it what the replay
+      recomputed, as long as the attribute holds it. A stored tensor the loss reads (an
+      auxiliary loss) does not block: the replay leaves forward's in the attribute.
+
     A module buffer the call reads and that is updated in place after (spectral norm's power
     iteration, an EMA codebook, a memory bank filled later) does not block it either: the region
     keeps a copy of it from its forward and replays from that copy (`call_restores`).
     """
     per_module = Counter(c.module for c in rec.calls)
     made_at, writes = _writes(rec)
+    ran_backward = {r.grad_of for r in rec.ops if r.phase == "backward"}
     out = []
     for c in rec.calls:
         reason = ""
@@ -62,6 +69,12 @@ def call_blockers(rec: Recording) -> list[str]:
             reason = (f"draws random numbers from a torch.Generator of its own ({drawn}): "
                       "checkpoint restores only torch's default generators, so a replay would "
                       "draw other numbers than forward did")
+        for i, attr, s in rec.attribute_stores:
+            if not reason and c.start <= i <= c.end and \
+                    _dead_saver_behind(rec, made_at.get(s, -1), c, ran_backward):
+                reason = (f"stores a tensor on a module ({attr!r}) whose graph backward never "
+                          "runs (an attention map kept for inspection): the checkpoint's frame "
+                          "would keep the replay's tensors alive as long as the tensor lives")
         for i, attr in rec.attribute_rereads:
             if not reason and c.start <= i <= c.end:
                 reason = (f"reads the tensor a module attribute ({attr!r}) held as it started, "
@@ -84,10 +97,31 @@ def call_blockers(rec: Recording) -> list[str]:
     return out
 
 
+def _dead_saver_behind(rec: Recording, made: int, c, ran_backward: set[int | None]) -> bool:
+    """Whether the op that made a stored tensor, or one before it in call `c` reached only
+    through ops that never run backward, never runs backward itself and saves tensors: its
+    autograd node, kept by the stored tensor, keeps the checkpoint's frame and the tensors the
+    replay recomputes for it."""
+    todo, seen = [made], set()
+    while todo:
+        j = todo.pop()
+        if j in seen or not c.start <= j <= c.end:
+            continue
+        seen.add(j)
+        r = rec.ops[j]
+        if r.phase != "forward" or j in ran_backward:
+            continue
+        if r.saves:
+            return True
+        todo.extend(r.inputs)
+    return False
+
+
 def call_restores(rec: Recording) -> list[tuple[str, ...]]:
     """For each call of `rec.calls`, the module buffers whose values its replay must start from
-    as forward did, not as forward left them: those the call reads (`_buffer_uses`) that an op
-    at or after the call's start writes in place, inside the call or later in the step.
+    as forward did, not as forward left them: those an op at or after the call's start writes
+    in place (inside the call or later in the step) and whose value, read inside the call,
+    reaches what the call's ops save for backward or read on the host (`_reaches_saved`).
 
     - Spectral norm's power iteration updates ``_u`` and ``_v``, then computes the weight from
       them; an EMA codebook (VQ-VAE, audio codecs) computes distances to its codes, then moves
@@ -96,54 +130,77 @@ def call_restores(rec: Recording) -> list[tuple[str, ...]]:
     - A memory bank read by one module and filled by its parent after it (MoCo's queue): the
       replay in backward would read the codes enqueued since.
 
-    BatchNorm's training op reads its running statistics only to update them, and its output
-    does not depend on them: its replay runs on copies of the values forward left, which costs
-    nothing from forward to backward."""
-    uses = _buffer_uses(rec)
-    written: dict[str, list[int]] = {}  # buffer name -> forward and loss ops writing it
+    Not restored: values that only feed their buffers' own updates. BatchNorm's training op
+    reads its running statistics only to update them (its output does not depend on them), as
+    InstanceNorm's repeated copies of them do; its replay runs on copies of the values forward
+    left, which costs nothing from forward to backward."""
     buffers = {r.storage: r.name for r in rec.ops if _is_buffer(r)}
+    last_write: dict[int, int] = {}  # buffer storage -> the last forward or loss op writing it
     for i, r in enumerate(rec.ops):
         if r.phase in ("forward", "loss"):
             for s in set(r.writes) & buffers.keys():
-                written.setdefault(buffers[s], []).append(i)
-    return [tuple(sorted({name for j, name in uses if c.start <= j <= c.end
-                          and written.get(name, [-1])[-1] >= c.start}))
-            for c in rec.calls]
+                last_write[s] = i
+    reads = [_reads(rec, r) if r.phase == "forward" else set() for r in rec.ops]
+    starts: dict[int, list[int]] = {}  # buffer storage -> forward ops reading it
+    for j, r in enumerate(rec.ops):
+        for s in reads[j] & last_write.keys():
+            if not _updates_only(r, {s}):
+                starts.setdefault(s, []).append(j)
+    out = []
+    for c in rec.calls:
+        names = set()
+        for s, js in starts.items():
+            first = next((j for j in js if c.start <= j <= c.end), None)
+            if first is not None and last_write[s] >= c.start and \
+                    _reaches_saved(rec, reads, s, first, c.end):
+                names.add(buffers[s])
+        out.append(tuple(sorted(names)))
+    return out
+
+
+def _reads(rec: Recording, r: OpRecord) -> set[int]:
+    """Storages op `r` reads (every output of an input op with several)."""
+    out: set[int] = set()
+    for j in r.inputs:
+        q = rec.ops[j]
+        if q.storage is not None:
+            out.add(q.storage)
+        else:
+            out.update(q.new_storages)
+    return out
+
+
+def _updates_only(r: OpRecord, tainted: set[int]) -> bool:
+    """Op `r` reads `tainted` storages only to write them in place: an in-place update of the
+    buffer alone (``add_``), or a batch-norm op updating the running statistics it is given."""
+    written = set(r.writes)
+    return tainted <= written and (not r.new_storages or "batch_norm" in r.op)
+
+
+def _reaches_saved(rec: Recording, reads: list[set[int]], s: int, first: int, end: int) -> bool:
+    """Whether the value of storage `s` as op `first` reads it flows, through the forward ops
+    up to `end`, into a tensor one of them saves for backward or into a read on the host: what
+    a replay of those ops computes differently from another value of `s`."""
+    taint = {s}
+    for j in range(first, end + 1):
+        r = rec.ops[j]
+        got = reads[j] & taint
+        if r.phase != "forward" or not got or _updates_only(r, got):
+            continue
+        if r.dynamic:
+            return True
+        new = set(r.new_storages) | set(r.writes)
+        if r.saves & (taint | new):
+            return True
+        taint |= new
+    return False
 
 
 def _read_by(rec: Recording, c) -> set[int]:
     """Storages the forward ops of call `c` read. A tensor argument the call's ops never read
     is still kept by its checkpoint (an argument, saved as one), which the simulator counts only
     for what the region's ops read: such a tensor is counted as held instead."""
-    out: set[int] = set()
-    for r in rec.ops[c.start:c.end + 1]:
-        for j in r.inputs:
-            q = rec.ops[j]
-            if q.storage is not None:
-                out.add(q.storage)
-            else:
-                out.update(q.new_storages)
-    return out
-
-
-def _buffer_uses(rec: Recording) -> list[tuple[int, str]]:
-    """(op, buffer name) for each forward op whose results depend on a module buffer's value:
-    it reads the buffer and makes a tensor or writes another. Not uses: a view of the buffer
-    (its readers are), an in-place update of the buffer alone (``add_``, ``copy_`` into it),
-    and a batch-norm op updating its own running statistics."""
-    buffers = {r.storage: r.name for r in rec.ops if _is_buffer(r)}
-    out = []
-    for j, r in enumerate(rec.ops):
-        if r.phase != "forward" or r.view:
-            continue
-        for s in {rec.ops[k].storage for k in r.inputs} & buffers.keys():
-            others = set(r.writes) - {s}
-            if s in r.writes and not r.new_storages and not others:
-                continue
-            if s in r.writes and "batch_norm" in r.op:
-                continue
-            out.append((j, buffers[s]))
-    return out
+    return set().union(*(_reads(rec, r) for r in rec.ops[c.start:c.end + 1]))
 
 
 def _writes(rec: Recording) -> tuple[dict[int, int], list[tuple[int, int]]]:

@@ -294,9 +294,10 @@ class Recording:
     random_skips: list[str] = field(default_factory=list)
     """Modules the model skips at random in training (LayerDrop): the recorded step is a draw
     that runs every one of them."""
-    attribute_stores: list[tuple[int, str]] = field(default_factory=list)
-    """(op, ``module.attribute``) where a forward call left a tensor with an autograd graph in
-    a plain attribute of its module (the op: the call's last)."""
+    attribute_stores: list[tuple[int, str, int]] = field(default_factory=list)
+    """(op, ``module.attribute``, storage) where a forward call left a tensor with an autograd
+    graph in a plain attribute of its module (the op: the call's last; the storage: the
+    tensor's, -1 if unknown)."""
     attribute_rereads: list[tuple[int, str]] = field(default_factory=list)
     """(op, ``module.attribute``) where a forward op read the tensor a plain attribute of a
     module held as the module's call started, and the attribute holds another by the step's
@@ -484,7 +485,7 @@ class _Recorder(TorchDispatchMode):
         object: `weakref.ref` gives the same one while it lives): the storages it reached as the
         last call that took it returned, for an object that dies before forward ends (HF
         Gemma3n's KV-sharing dict, made and dropped by the model's forward)."""
-        self.attribute_stores: list[tuple[int, str]] = []
+        self.attribute_stores: list[tuple[int, str, int]] = []
         self.attribute_rereads: list[tuple[int, str]] = []  # `Recording.attribute_rereads`
         self.watched: dict[int, list[_Watched]] = {}
         """Storage (``_cdata``) -> the tensors held in modules' plain attributes as their calls
@@ -926,7 +927,9 @@ class _Recorder(TorchDispatchMode):
                         for k, v in vars(mod).items():
                             if isinstance(v, torch.Tensor) and v.grad_fn is not None \
                                     and before.get(k) != id(v):
-                                self.attribute_stores.append((len(self.ops) - 1, f"{name}.{k}"))
+                                self.attribute_stores.append(
+                                    (len(self.ops) - 1, f"{name}.{k}",
+                                     self.sid_of.get(id(v.untyped_storage()), -1)))
             return hook
 
         for name, m in model.named_modules():
@@ -1068,6 +1071,9 @@ def _own_generator(args: tuple, kwargs: dict | None) -> bool:
                for a in (*args, *(kwargs or {}).values()))
 
 
+_ABSENT = object()
+
+
 def put_back(dst: torch.Tensor, value: torch.Tensor) -> None:
     """Write `value` into `dst` in place, whatever shape `dst` has now: a buffer may be resized
     by the step itself (a quantization observer's statistics start empty and take their shape
@@ -1079,24 +1085,37 @@ def put_back(dst: torch.Tensor, value: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def python_state(model: torch.nn.Module) -> Iterator[None]:
-    """Put the int, float and tensor attributes of the model's modules back as they were: a
-    step may advance a counter (a memory bank's write position, the step an annealed
-    temperature reads) or replace a recurrent memory (Transformer-XL's last segment), and steps
-    the planner runs are not steps of training. Flags (bools) and attributes a step creates
-    stay: they mark one-time work done, as transformers' flag that its output-capturing hooks
-    are installed does, and putting them back would do it again."""
-    kinds = (int, float, torch.Tensor)
+    """Put back, as they were, the attributes of the model's modules that steps change and
+    training would not see changed: steps the planner runs are not steps of training.
+
+    - Int, float and tensor attributes: a step may advance a counter (a memory bank's write
+      position, the step an annealed temperature reads) or replace a recurrent memory
+      (Transformer-XL's last segment).
+    - Any attribute left holding a tensor with an autograd graph (an auxiliary loss, an
+      attention map kept for inspection): it would hold the planner's step's graph.
+
+    Flags (bools) and other attributes a step sets or creates stay: they mark one-time work
+    done (transformers' flag that its output-capturing hooks are installed, a cache built on
+    the first call, which the warm-up step builds on purpose), and putting them back would do
+    it again."""
     mods = list(model.modules())
-    before = [{k: v for k, v in m.__dict__.items()
-               if type(v) in (int, float) or isinstance(v, torch.Tensor)} for m in mods]
+    before = [dict(m.__dict__) for m in mods]
     try:
         yield
     finally:
         for m, was in zip(mods, before, strict=True):
-            for k, v in was.items():
-                now = m.__dict__.get(k)
-                if now is not v and isinstance(now, kinds) and type(now) is not bool:
-                    m.__dict__[k] = v
+            d = m.__dict__
+            for k, v in list(d.items()):
+                old = was.get(k, _ABSENT)
+                if v is old or type(v) is bool:
+                    continue
+                counts = (type(v) in (int, float) or isinstance(v, torch.Tensor)) and \
+                    (type(old) in (int, float) or isinstance(old, torch.Tensor))
+                if counts or (isinstance(v, torch.Tensor) and v.grad_fn is not None):
+                    if old is _ABSENT:
+                        del d[k]
+                    else:
+                        d[k] = old
 
 
 @contextlib.contextmanager
@@ -1560,7 +1579,7 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
                    for k, v in spec.params.items()},
         input_shapes=input_shapes,
         module_paths=[n for n, _ in spec.model.named_modules()],
-        attribute_stores=[(i + n_ph, a) for i, a in rec.attribute_stores],
+        attribute_stores=[(i + n_ph, a, sid) for i, a, sid in rec.attribute_stores],
         attribute_rereads=[(i + n_ph, a) for i, a in rec.attribute_rereads],
         sequential={
             n: list(m._modules)
