@@ -43,7 +43,6 @@ def call_blockers(rec: Recording) -> list[str]:
       (Transformer-XL's memory of the last segment): the replay would read the new tensor.
     - A random op given a `torch.Generator` of the model's own (``bernoulli_(p, generator=g)``):
       checkpoint restores only torch's default generators, so the replay would draw anew.
-
     - A tensor with an autograd graph left in a plain attribute of a module inside the call,
       where ops behind it that save tensors never run backward (an attention map kept for
       inspection): its nodes keep the checkpoint's frame, and with it what the replay

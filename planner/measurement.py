@@ -142,9 +142,10 @@ def measure(
 ) -> Measurement:
     """Measure one training step of `module` (peak and retained memory, median step time).
 
-    With ``restore=True`` (default) parameters, buffers, gradients, RNG state and the
-    optimizer's state are put back afterwards, so measuring does not train the model (the
-    optimizer's state is kept on the host meanwhile, so that the copy costs no device memory).
+    With ``restore=True`` (default) parameters, buffers, gradients, RNG state, the optimizer's
+    state and the modules' attributes `python_state` covers are put back afterwards, so
+    measuring does not train the model (the optimizer's state is kept on the host meanwhile, so
+    that the copy costs no device memory).
     With `autocast` a dtype, forward and loss run under ``torch.autocast``, backward outside it.
     `held_bytes`: tensors the model holds outside its parameters and buffers that the step reads
     (a cache: `Profile.held_bytes`), counted in fixed memory as a profile counts them; nothing

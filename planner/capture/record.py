@@ -486,13 +486,13 @@ class _Recorder(TorchDispatchMode):
         last call that took it returned, for an object that dies before forward ends (HF
         Gemma3n's KV-sharing dict, made and dropped by the model's forward)."""
         self.attribute_stores: list[tuple[int, str, int]] = []
+        """(last op of the call, ``module.attribute``, storage) for each forward call that left
+        a tensor with an autograd graph in a plain attribute of its module (RecurrentGemma's
+        ``self.recurrent_states = ...``)."""
         self.attribute_rereads: list[tuple[int, str]] = []  # `Recording.attribute_rereads`
         self.watched: dict[int, list[_Watched]] = {}
         """Storage (``_cdata``) -> the tensors held in modules' plain attributes as their calls
         started, whose reads are noted (`attribute_rereads`)."""
-        """(last op of the call, ``module.attribute``) for each forward call that left a tensor
-        with an autograd graph in a plain attribute of its module (RecurrentGemma's
-        ``self.recurrent_states = ...``)."""
         self.raised_in: dict[int, str] = {}
         self.seq_owner: dict[int, int] = {}  # autograd node sequence number -> forward op index
         self.last_seq = torch.autograd._get_sequence_nr()
@@ -1120,11 +1120,12 @@ def python_state(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def restoring(spec: StepSpec) -> Iterator[None]:
-    """Leave the model's buffers (BatchNorm statistics), parameters' gradients, Python scalars
-    (`python_state`) and the RNG streams (`seeded`) as they were; with `spec.seed`, seed them for the run. Gradients are None
-    during the run, as after ``zero_grad()``: `run_step` takes them with `torch.autograd.grad`,
-    but a model may call ``backward()`` itself (Reformer's reversible layers, in their backward),
-    which would accumulate into the user's ``.grad``."""
+    """Leave the model's buffers (BatchNorm statistics), parameters' gradients, the attributes
+    `python_state` puts back and the RNG streams (`seeded`) as they were; with `spec.seed`, seed
+    them for the run. Gradients are None during the run, as after ``zero_grad()``: `run_step`
+    takes them with `torch.autograd.grad`, but a model may call ``backward()`` itself
+    (Reformer's reversible layers, in their backward), which would accumulate into the user's
+    ``.grad``."""
     saved = {k: v.detach().clone() for k, v in spec.buffers.items() if v.device.type != "meta"}
     leaves = {k for k, v in spec.buffers.items() if v.grad_fn is None and not v.requires_grad}
     grads = {k: p.grad for k, p in spec.params.items()}
