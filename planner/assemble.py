@@ -41,8 +41,9 @@ def call_blockers(rec: Recording) -> list[str]:
       would store it again.
     - A read of a tensor a module keeps in a plain attribute, replaced later in the step
       (Transformer-XL's memory of the last segment): the replay would read the new tensor.
-    - A random op given a `torch.Generator` of the model's own (``bernoulli_(p, generator=g)``):
-      checkpoint restores only torch's default generators, so the replay would draw anew.
+    - A random op given a `torch.Generator` no module inside the call holds as an attribute:
+      checkpoint restores only torch's default generators, and a region the generators its
+      modules hold (``self.gen``), so the replay would draw anew.
     - A tensor with an autograd graph left in a plain attribute of a module inside the call,
       where ops behind it that save tensors never run backward (an attention map kept for
       inspection): its nodes keep the checkpoint's frame, and with it what the replay
@@ -63,11 +64,13 @@ def call_blockers(rec: Recording) -> list[str]:
             if c.start <= i <= c.end and made_at.get(s, -1) < c.start:
                 reason = f"writes in place to a tensor made before the call ({rec.ops[i].op})"
                 break
-        drawn = next((r.op for r in rec.ops[c.start:c.end + 1] if r.own_generator), None)
+        drawn = next((r for r in rec.ops[c.start:c.end + 1] if r.own_generator
+                      and not _inside(r.own_generator, c.module)), None)
         if not reason and drawn:
-            reason = (f"draws random numbers from a torch.Generator of its own ({drawn}): "
-                      "checkpoint restores only torch's default generators, so a replay would "
-                      "draw other numbers than forward did")
+            reason = (f"draws random numbers from a torch.Generator no module inside it holds "
+                      f"({drawn.op}): checkpoint restores only torch's default generators and "
+                      "a region the generators its modules hold, so a replay would draw other "
+                      "numbers than forward did")
         for i, attr, s in rec.attribute_stores:
             if not reason and c.start <= i <= c.end and \
                     _dead_saver_behind(rec, made_at.get(s, -1), c, ran_backward):
@@ -94,6 +97,14 @@ def call_blockers(rec: Recording) -> list[str]:
             for k in ks:
                 out[k] = f"called {n} times in one step, and one call {first}"
     return out
+
+
+def _inside(holder: str, module: str) -> bool:
+    """Whether the module named `holder` ("?": none) is `module` or inside it."""
+    if holder == "?":
+        return False
+    holder = "" if holder == "(the root module)" else holder
+    return module == "" or holder == module or holder.startswith(module + ".")
 
 
 def _dead_saver_behind(rec: Recording, made: int, c, ran_backward: set[int | None]) -> bool:

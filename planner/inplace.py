@@ -194,14 +194,17 @@ class _ReplayContext:
                  start: dict[tuple[int, str], torch.Tensor] | None = None,
                  read: list[tuple[dict[str, Any], str, weakref.ref]] = (),
                  scalars: list[tuple[torch.nn.Module, str, Any]] = (),
-                 modules: list[torch.nn.Module] = ()) -> None:
+                 modules: list[torch.nn.Module] = (),
+                 generators: list[tuple[torch.Generator, bytes]] = ()) -> None:
         self._slots, self._rec, self._start, self._read = slots, rec, start, read
-        self._scalars, self._modules = scalars, modules
+        self._scalars, self._modules, self._generators = scalars, modules, generators
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         with stack:  # copies first: the selective replay must not see the clones among its ops
+            if self._generators:
+                stack.enter_context(_generators_as_in_forward(self._generators))
             if self._read or self._scalars or self._modules:
                 stack.enter_context(_as_in_forward(self._read, self._scalars, self._modules))
             if self._slots:
@@ -277,6 +280,28 @@ def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
             for k in was.keys() - d.keys():
                 if isinstance(was[k], torch.Tensor):
                     d[k] = was[k]
+
+
+def _generator_state(g: torch.Generator) -> bytes:
+    """A generator's state as bytes: a state tensor kept from forward to backward would be
+    memory the prediction does not count (the transient one is a few KiB)."""
+    return g.get_state().numpy().tobytes()
+
+
+@contextlib.contextmanager
+def _generators_as_in_forward(generators: list[tuple[torch.Generator, bytes]]
+                              ) -> Iterator[None]:
+    """Run a replay with the `torch.Generator`s its modules hold in the state forward started
+    from (checkpoint preserves only torch's default generators), and leave them as they were:
+    a block drawing dropout masks or noise from ``self.gen`` draws the same numbers again."""
+    now = [(g, _generator_state(g)) for g, _ in generators]
+    for g, state in generators:
+        g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    try:
+        yield
+    finally:
+        for g, state in now:
+            g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
 @contextlib.contextmanager
@@ -410,17 +435,20 @@ class _RegionRunner:
                 self._restores.append((owner, attr))
         # The modules whose state a replay starts from as forward did (`_as_in_forward`): the
         # region's module, or what the wrapper names with `narrow`.
-        self._owners = [root.get_submodule(region.module) if region.module else root]
+        self._home = root.get_submodule(region.module) if region.module else root
+        self._owners = [self._home]
         self._shallow: list[torch.nn.Module] = []  # modules whose own slots count, not children's
         self._modules_in = None  # owners and their submodules, listed on first use, with:
         self._read: list[tuple[dict[str, Any], str]] = []  # their parameter and buffer slots
         self._scalar_slots: list[tuple[torch.nn.Module, str]] = []  # their int/float/bool
         self._script: bool | None = None  # whether they hold a ScriptModule (on first run)
+        self._generators: list[torch.Generator] = []  # those they (and the region's module) hold
 
     def __getstate__(self) -> dict[str, Any]:
         # `_read` holds the modules' own parameter dicts; a pickle would hold copies of them
         state = dict(self.__dict__)
         state["_modules_in"], state["_read"], state["_scalar_slots"] = None, [], []
+        state["_generators"] = []
         return state
 
     def remap(self, memo: dict[int, Any]) -> _RegionRunner:
@@ -429,6 +457,7 @@ class _RegionRunner:
         new._slots = [(memo.get(id(m), m), a) for m, a in self._slots]
         new._restores = [(memo.get(id(m), m), a) for m, a in self._restores]
         new._owners = [memo.get(id(m), m) for m in self.__dict__.get("_owners", ())]
+        new._home = memo.get(id(self._home), self._home) if "_home" in self.__dict__ else None
         new._shallow = [memo.get(id(m), m) for m in self.__dict__.get("_shallow", ())]
         new._modules_in = None
         new._script = None
@@ -455,6 +484,10 @@ class _RegionRunner:
                           if isinstance(d, dict)  # a ScriptModule's are C++ wrappers
                           for name in d]
             self._scalar_slots = _scalar_slots(self._modules_in)
+            home = self.__dict__.get("_home")  # absent in runners pickled before it existed
+            self._generators = [g for m in [*self._modules_in, *([home] if home else [])]
+                                for g in m.__dict__.values() if isinstance(g, torch.Generator)]
+        gens = [(g, _generator_state(g)) for g in self.__dict__.get("_generators", ())]
         # Weak: what a module held in forward and drops before backward (offloading hooks)
         # is not kept alive for the replay.
         read = [(d, name, weakref.ref(t)) for d, name in self._read
@@ -462,10 +495,11 @@ class _RegionRunner:
         scalars = [(m, k, m.__dict__.get(k, _ABSENT)) for m, k in self._scalar_slots]
         if not self._keys:
             return contextlib.nullcontext(), _ReplayContext(
-                self._slots, contextlib.nullcontext(), start, read, scalars, self._modules_in)
+                self._slots, contextlib.nullcontext(), start, read, scalars, self._modules_in,
+                gens)
         fwd, rec = _selective_contexts(self._keys)
         return fwd, _ReplayContext(self._slots, _replayable(rec), start, read, scalars,
-                                   self._modules_in)
+                                   self._modules_in, gens)
 
     def run(self, fn, *args: Any) -> Any:
         fn, args = _once_each(fn, args)

@@ -210,9 +210,11 @@ class OpRecord:
     bytes_moved: int = 0
     time_ms: float = 0.0
     random: bool = False
-    own_generator: bool = False
-    """The op draws from a `torch.Generator` it is given, not torch's default one: checkpoint
-    preserves only the default generators' state, so a replay would draw the next numbers."""
+    own_generator: str = ""
+    """Where the op draws from a `torch.Generator` it is given, not torch's default one: the
+    innermost module on the call stack holding it as an attribute, "?" where none does.
+    Checkpoint preserves only the default generators' state; a region snapshots the generators
+    its modules hold (`planner.inplace`), and a call drawing from another is blocked."""
     mutates_buffer: bool = False
     writes: list[int] = field(default_factory=list)
     """Storages the op mutates in place."""
@@ -490,6 +492,7 @@ class _Recorder(TorchDispatchMode):
         a tensor with an autograd graph in a plain attribute of its module (RecurrentGemma's
         ``self.recurrent_states = ...``)."""
         self.attribute_rereads: list[tuple[int, str]] = []  # `Recording.attribute_rereads`
+        self.modules_by_name: dict[str, torch.nn.Module] = {}  # set by `module_hooks`
         self.watched: dict[int, list[_Watched]] = {}
         """Storage (``_cdata``) -> the tensors held in modules' plain attributes as their calls
         started, whose reads are noted (`attribute_rereads`)."""
@@ -604,6 +607,17 @@ class _Recorder(TorchDispatchMode):
         self._record(func, args, kwargs, in_tensors, in_sids, out, seq, node)
         return out
 
+    def _generator_holder(self, gen: torch.Generator | None) -> str:
+        """`OpRecord.own_generator` of an op drawing from `gen`."""
+        if gen is None:
+            return ""
+        for name in reversed(self.module_stack):
+            m = self.modules_by_name.get(name)
+            if m is not None and any(isinstance(v, torch.Generator) and v._cdata == gen._cdata
+                                     for v in vars(m).values()):
+                return name or "(the root module)"
+        return "?"
+
     def _check_hooks(self) -> None:
         """Note the current module if saved-tensor hooks other than the recorder's are on top
         (`foreign_hooks`); checked as each module is entered and as each forward op runs."""
@@ -684,7 +698,7 @@ class _Recorder(TorchDispatchMode):
             bytes_moved=sum(t.numel() * t.element_size() for t in in_tensors)
             + sum(t.numel() * t.element_size() for t in _tensors(out)),
             random=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
-            own_generator=_own_generator(args, kwargs),
+            own_generator=self._generator_holder(_own_generator(args, kwargs)),
             mutates_buffer=any(s in self.buffer_sids for s in writes),
             writes=writes,
             dynamic=_dynamic_reason(func),
@@ -882,6 +896,7 @@ class _Recorder(TorchDispatchMode):
         module's own pre-hooks, the post-hook before its own forward hooks."""
         handles = []
         starts: list[int] = []
+        self.modules_by_name = dict(model.named_modules())
 
         args_of: list[tuple[list[int], list[int], list[weakref.ref]]] = []
         attrs_of: list[dict[str, int]] = []
@@ -1063,12 +1078,13 @@ def seeded(seed: int | None) -> Iterator[None]:
             set_host_rng_state(host)
 
 
-def _own_generator(args: tuple, kwargs: dict | None) -> bool:
-    """Whether an op's arguments pass a `torch.Generator` other than torch's default ones."""
-    defaults = (torch.default_generator,
-                *(torch.cuda.default_generators if torch.cuda.is_initialized() else ()))
-    return any(isinstance(a, torch.Generator) and not any(a is d for d in defaults)
-               for a in (*args, *(kwargs or {}).values()))
+def _own_generator(args: tuple, kwargs: dict | None) -> torch.Generator | None:
+    """The `torch.Generator` an op's arguments pass, other than torch's default ones."""
+    # compared by their C++ object: the dispatcher hands a mode a new Python wrapper
+    defaults = {g._cdata for g in (torch.default_generator, *(
+        torch.cuda.default_generators if torch.cuda.is_initialized() else ()))}
+    return next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Generator)
+                 and a._cdata not in defaults), None)
 
 
 _ABSENT = object()
