@@ -485,8 +485,9 @@ class _RegionRunner:
                           for name in d]
             self._scalar_slots = _scalar_slots(self._modules_in)
             home = self.__dict__.get("_home")  # absent in runners pickled before it existed
-            self._generators = [g for m in [*self._modules_in, *([home] if home else [])]
-                                for g in m.__dict__.values() if isinstance(g, torch.Generator)]
+            held = [*self._modules_in, *([] if home is None else [home])]
+            self._generators = [g for m in held for g in m.__dict__.values()
+                                if isinstance(g, torch.Generator)]
         gens = [(g, _generator_state(g)) for g in self.__dict__.get("_generators", ())]
         # Weak: what a module held in forward and drops before backward (offloading hooks)
         # is not kept alive for the replay.
