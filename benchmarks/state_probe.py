@@ -42,14 +42,14 @@ D = 64
 class EMACodebook(nn.Module):
     """VQ with codes that follow an exponential moving average of their vectors."""
 
-    def __init__(self, n: int = 64):
+    def __init__(self, n: int = 64, d: int = D):
         super().__init__()
-        self.register_buffer("embed", torch.randn(n, D))
+        self.register_buffer("embed", torch.randn(n, d))
         self.register_buffer("embed_avg", self.embed.clone())
         self.register_buffer("size", torch.ones(n))
 
     def forward(self, x):
-        flat = x.reshape(-1, D)
+        flat = x.reshape(-1, x.shape[-1])
         idx = torch.cdist(flat, self.embed).argmin(-1)
         q = F.embedding(idx, self.embed).view_as(x)
         if self.training:
@@ -167,14 +167,16 @@ class ForceField(nn.Module):
         return e, -g
 
 
-def qat_cnn() -> nn.Module:
-    """Eager-mode QAT: fused conv-BN-ReLU with fused fake-quant observers."""
+def qat_cnn(channels: int = 16, layers: int = 4, image: int = 16) -> nn.Module:
+    """Eager-mode QAT: fused conv-BN-ReLU with fused fake-quant observers, whose statistics
+    start empty and take their shape on the first call."""
     import torch.ao.quantization as q
-    m = nn.Sequential(q.QuantStub(), *[nn.Sequential(nn.Conv2d(16 if i else 3, 16, 3, padding=1),
-                                                     nn.BatchNorm2d(16), nn.ReLU())
-                                       for i in range(4)],
-                      q.DeQuantStub(), nn.Flatten(), nn.Linear(16 * 16 * 16, 10)).train()
-    for i in range(1, 5):
+    c = channels
+    m = nn.Sequential(q.QuantStub(), *[nn.Sequential(nn.Conv2d(c if i else 3, c, 3, padding=1),
+                                                     nn.BatchNorm2d(c), nn.ReLU())
+                                       for i in range(layers)],
+                      q.DeQuantStub(), nn.Flatten(), nn.Linear(c * image * image, 10)).train()
+    for i in range(1, layers + 1):
         q.fuse_modules_qat(m[i], ["0", "1", "2"], inplace=True)
     m.qconfig = q.get_default_qat_qconfig("fbgemm")
     return q.prepare_qat(m)

@@ -1080,11 +1080,14 @@ def seeded(seed: int | None) -> Iterator[None]:
 
 def _own_generator(args: tuple, kwargs: dict | None) -> torch.Generator | None:
     """The `torch.Generator` an op's arguments pass, other than torch's default ones."""
+    gen = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Generator)),
+               None)
+    if gen is None:
+        return None
     # compared by their C++ object: the dispatcher hands a mode a new Python wrapper
     defaults = {g._cdata for g in (torch.default_generator, *(
         torch.cuda.default_generators if torch.cuda.is_initialized() else ()))}
-    return next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Generator)
-                 and a._cdata not in defaults), None)
+    return None if gen._cdata in defaults else gen
 
 
 _ABSENT = object()
