@@ -45,7 +45,8 @@ def stageable(module: torch.nn.Module) -> bool:
     whose forward is one op or a library call), with an undecorated forward of the class (no
     `forward` set on the instance)."""
     fwd = type(module).forward
-    return (not getattr(fwd, "__module__", "torch").startswith("torch.")
+    # `__module__` is None for code run by exec() without a `__name__`
+    return (not (getattr(fwd, "__module__", None) or "").startswith("torch.")
             and not hasattr(fwd, "__wrapped__")  # a decorator (no_grad, autocast) tracing skips
             and "forward" not in module.__dict__
             and not isinstance(module, torch.nn.Sequential))

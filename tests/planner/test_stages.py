@@ -17,7 +17,7 @@ from torch import nn
 import planner
 from planner.inplace import StagedForward, applied, apply_schedule, wrapper_of
 from planner.measurement import Measurement
-from planner.stages import call_pattern, trace
+from planner.stages import call_pattern, stageable, trace
 from solvers.chain import bind, candidate_calls, region
 from solvers.errors import ScheduleError
 from solvers.schedule import Schedule
@@ -447,3 +447,18 @@ def test_a_metadata_read_does_not_pass_its_tensor_into_a_run():
         assert_grads_close(g0, g1)
         predicted = simulate(prof, sched).peak_bytes
         assert abs(predicted - measured) <= 64, (s.segment, predicted, measured)
+
+
+def test_a_forward_from_code_run_by_exec_is_stageable():
+    """Code run by ``exec`` with globals that have no ``__name__`` (a generated or notebook-
+    built module class) leaves its functions' ``__module__`` None: it is the user's code."""
+    namespace = {"nn": nn, "F": F}
+    exec("class Block(nn.Module):\n"  # noqa: S102 - the point of the test
+         "    def __init__(self):\n"
+         "        super().__init__()\n"
+         "        self.lin = nn.Linear(4, 4)\n"
+         "    def forward(self, x):\n"
+         "        return F.relu(self.lin(x))\n", namespace)
+    block = namespace["Block"]()
+    assert type(block).forward.__module__ is None
+    assert stageable(block)
