@@ -776,8 +776,8 @@ def plan(
             hold for. Where the model's shapes depend on values (MoE routing, boolean masks),
             memory changes from batch to batch: the plan keeps a margin, the spread of the
             measured peak over these batches (or, without them, over other random draws).
-        compile: the `torch.compile` backend you will train with (``"inductor"``). The budget
-            is then the compiled step's, measured: copies of the model are compiled
+        compile: the `torch.compile` backend you will train with (``"inductor"``); needs a
+            budget. The budget is then the compiled step's, measured: copies of the model are compiled
             (whole-model) without a plan and with plans, the partitioner's
             ``activation_memory_budget`` at each of `compile_memory_budgets`, and the fastest
             that fits is applied (`planner.compiled`). Then compile the model yourself, as
@@ -828,6 +828,12 @@ def plan(
         raise CkptPlannerError(
             f"compile_memory_budgets={tuple(compile_memory_budgets)!r}: give one or more "
             "values of activation_memory_budget between 0 and 1, e.g. (1.0,) or (1.0, 0.8, 0.5)")
+    if compile is not None and budget is None:
+        raise CkptPlannerError(
+            f"compile={compile!r} needs a budget (budget_gb=...): a compiled plan is the "
+            "fastest configuration measured to fit it on compiled copies of the model; the "
+            "smallest-peak search without a budget is for the eager step (plan without "
+            "compile= to see it, then plan again with a budget near it and compile=)")
     given, model = model, unwrap(model)
     _check_plannable(model)
     if applied(model) is not None:

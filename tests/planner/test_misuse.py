@@ -97,6 +97,12 @@ def _sparse_embedding():
                         repeats=1)
 
 
+def _compile_without_budget():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    return planner.plan(model, None, example_inputs=torch.randn(4, 8), repeats=1,
+                        compile="inductor")
+
+
 def _checkpoint_wrapper():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -322,6 +328,8 @@ ROWS = [
         r"gradient_checkpointing_disable\(\)"),
     Row("embedding with sparse gradients", _sparse_embedding, CkptPlannerError,
         r"^0 makes sparse gradients \(sparse=True\).*plan with sparse=False"),
+    Row("compile without a budget", _compile_without_budget, CkptPlannerError,
+        r"compile='inductor' needs a budget"),
     Row("checkpoint_wrapper inside", _checkpoint_wrapper, CkptPlannerError,
         r"already wrapped for checkpointing.*remove checkpoint_wrapper"),
     Row("the model calls torch.utils.checkpoint itself", _own_checkpoint, planner.ModelRunError,
