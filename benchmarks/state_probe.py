@@ -35,6 +35,7 @@ from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
 from planner.measurement import measure  # noqa: E402
+from solvers.errors import CkptPlannerError  # noqa: E402
 
 D = 64
 
@@ -247,7 +248,7 @@ def main() -> int:
         twin = copy.deepcopy(model)
         try:
             low = planner.plan(model, None, example_inputs=inputs, loss_fn=loss_fn)
-        except planner.CkptPlannerError as e:
+        except CkptPlannerError as e:
             print(f"| {name} | | does not plan: {str(e).splitlines()[0][:160]} | | | |")
             continue
         none = low.baselines()["none"].predicted_peak_bytes

@@ -44,7 +44,7 @@ from planner.fsdp import fsdp_cast, mixed_precision
 from planner.identity import differences, made_for
 from planner.inplace import applied, apply_schedule
 from planner.measurement import Measurement, measure
-from planner.profiling import CHECK_TOLERANCE, profile, step_spec
+from planner.profiling import CHECK_TOLERANCE, check_dense_gradients, profile, step_spec
 from solvers.accumulation import holding_grads
 from solvers.distributed import per_rank
 from solvers.errors import CkptPlannerError, ProfileError, ScheduleError
@@ -375,6 +375,19 @@ def region_label(r: Region) -> str:
     return f"{name}[{'nodes' if r.staged else 'children'} {i}-{j}]"
 
 
+def _sparse_values(name: str, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of two sparse gradients (``nn.Embedding(sparse=True)``), to compare where
+    they touch the same rows; a dense copy of an embedding table's gradient could be larger
+    than the step itself."""
+    if a.layout != b.layout:
+        raise AssertionError(f"gradient of {name} is {a.layout} unplanned, {b.layout} planned")
+    a, b = a.coalesce(), b.coalesce()
+    if not torch.equal(a.indices(), b.indices()):
+        raise AssertionError(f"gradient of {name} touches other rows planned than unplanned")
+    return a.values(), b.values()
+
+
 def verify_against(reference: Callable[[], contextlib.AbstractContextManager[torch.nn.Module]]
                    | contextlib.AbstractContextManager[torch.nn.Module],
                    planned: contextlib.AbstractContextManager[torch.nn.Module],
@@ -420,6 +433,8 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
         b = g1.get(name)
         if b is None:
             raise AssertionError(f"parameter {name} got no gradient from the planned model")
+        if a.layout != torch.strided or b.layout != torch.strided:
+            a, b = _sparse_values(name, a, b)
         if not torch.allclose(a, b, rtol=rtol, atol=atol):
             raise AssertionError(f"gradient of {name} differs beyond rtol={rtol}")
         denom = a.abs().max().item() or 1.0
@@ -843,6 +858,13 @@ def plan(
             "the model is in eval mode; checkpointing is for training: call model.train() first"
         )
     world, sharding = _data_parallel(given, world_size, fsdp, fsdp_units)
+    if sharding:
+        check_dense_gradients(model, "under FSDP2 (it reduce-scatters dense gradients only)"
+                              if sharding == "fsdp" else "under DDP (the all-reduced sparse "
+                              "gradient holds every rank's rows)")
+    if grad_accumulation:
+        check_dense_gradients(model, "over accumulated micro-batches (sparse gradients add up "
+                              "by concatenation, growing with each micro-batch)")
     if mp_policy is not None and sharding != "fsdp":
         raise CkptPlannerError(
             "mp_policy is FSDP2's mixed precision; pass fsdp=True with it (for one process or "

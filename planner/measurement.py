@@ -36,6 +36,7 @@ from planner.capture.record import (
     python_state,
     set_host_rng_state,
     split_inputs,
+    storages_of,
 )
 
 __all__ = ["Measurement", "ddp_bucket_bytes", "fixed_bytes", "measure", "peak_of"]
@@ -66,8 +67,8 @@ def _storages_bytes(tensors: list[torch.Tensor]) -> int:
         if hasattr(t, "to_local"):  # a DTensor (FSDP2's sharded parameter): this rank's shard
             t = t.to_local()
         if t.device.type != "meta":
-            st = t.untyped_storage()
-            seen[st._cdata] = st.nbytes()
+            for st in storages_of(t):
+                seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
 

@@ -217,7 +217,6 @@ def profile(
     if not isinstance(model, torch.nn.Module):
         raise CkptPlannerError(f"model is a {type(model).__name__}, not a torch.nn.Module")
     check_inputs(model, example_inputs)
-    _check_dense_gradients(model)
     check_autocast(autocast)
     if loss_fn is not None and not callable(loss_fn):
         raise CkptPlannerError(f"loss_fn is a {type(loss_fn).__name__}; pass a function of the "
@@ -257,18 +256,22 @@ def profile(
     return prof
 
 
-def _check_dense_gradients(model: torch.nn.Module) -> None:
-    """Refuse embeddings with sparse gradients before running anything: a sparse tensor has no
-    single storage, and the recorder follows memory by storage."""
-    sparse = [name or "(the root module)" for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse]
+def sparse_gradient_modules(model: torch.nn.Module) -> list[str]:
+    """Embeddings that make sparse gradients (``sparse=True``)."""
+    return [name or "(the root module)" for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse]
+
+
+def check_dense_gradients(model: torch.nn.Module, why: str) -> None:
+    """Refuse embeddings with sparse gradients where the planner cannot count them (`why`)."""
+    sparse = sparse_gradient_modules(model)
     if sparse:
         raise CkptPlannerError(
             f"{', '.join(sparse[:3])}{' and others' if len(sparse) > 3 else ''} "
-            f"make{'s' if len(sparse) == 1 else ''} sparse gradients (sparse=True), which the "
-            "planner cannot record (a sparse tensor has no single storage to follow). Profile and plan with sparse=False on these modules: "
-            "the regions are the same modules, and the plan then counts each embedding's "
-            "gradient as a dense table, more than the sparse one takes")
+            f"make{'s' if len(sparse) == 1 else ''} sparse gradients (sparse=True), which "
+            f"the planner cannot count {why}. Plan with sparse=False on these modules: the "
+            "regions are the same modules, and the plan then counts each embedding's gradient "
+            "as a dense table, more than the sparse one takes")
 
 
 def _profile(model, example_inputs, *, loss_fn, optimizer, mode, device, repeats, autocast,

@@ -43,7 +43,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planner.capture.record import written_positions
+from planner.capture.record import storage_of, written_positions
 from planner.devices import DeviceSpec, roofline_ms
 
 __all__ = ["Faker", "Shadows", "gpu_kernels", "roofline_times", "transformers_values"]
@@ -246,7 +246,7 @@ def _stand_in(real: Any, fake: Any) -> Any:
 
 def _storage_key(t: torch.Tensor) -> int:
     try:
-        return t.untyped_storage()._cdata
+        return storage_of(t)._cdata
     except (RuntimeError, NotImplementedError):
         return id(t)
 

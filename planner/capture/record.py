@@ -334,15 +334,53 @@ class StepSpec:
 class _Packed:
     """What a saved-tensor pack hook returns: the copy autograd uses, and the original storage."""
 
-    __slots__ = ("sid", "tensor")
+    __slots__ = ("sids", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, sid: int | None):
+    def __init__(self, tensor: torch.Tensor, sids: list[int]):
         self.tensor = tensor
-        self.sid = sid
+        self.sids = sids  # one per storage of the tensor (`storages_of`)
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+_SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding `t`'s memory: a dense tensor's own; a sparse tensor's values' and
+    its indices' (a graph's adjacency in ``torch.sparse.mm``), values first. A sparse tensor
+    has no storage of its own; one made from tensors the step has (``torch.sparse_coo_tensor
+    (indices, values)``) holds theirs, and whatever keeps it (autograd saving it) keeps them."""
+    if t.layout == torch.strided:
+        return [t.untyped_storage()]
+    with torch._C._DisableTorchDispatch():  # not an op of the step: the recorder's own look
+        if t.layout == torch.sparse_coo:
+            parts = (t._values(), t._indices())
+        elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+            parts = (t.values(), t.crow_indices(), t.col_indices())
+        elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+            parts = (t.values(), t.ccol_indices(), t.row_indices())
+        else:
+            return [t.untyped_storage()]  # raises for layouts without one, naming the layout
+        return [x.untyped_storage() for x in parts]
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage that stands for `t` where one does: a sparse tensor's values'."""
+    return t.untyped_storage() if t.layout == torch.strided else storages_of(t)[0]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s storage, or of a sparse tensor's values and indices."""
+    return sum(int(st.nbytes()) for st in storages_of(t))
+
+
+def _moved(t: torch.Tensor) -> int:
+    """Bytes an op reading or writing `t` moves: its elements, or a sparse tensor's stored
+    values and indices."""
+    return t.numel() * t.element_size() if t.layout == torch.strided else tensor_bytes(t)
 
 
 _ZERO_FACTORIES = frozenset({"aten.new_zeros.default", "aten.zeros.default",
@@ -419,7 +457,7 @@ _PASS_THROUGH = frozenset({"profiler", "prim"})
 fake tensors dispatch."""
 
 
-def _fake_counterparts(tensors: list[torch.Tensor], sids: list[int]) -> dict[int, int]:
+def _fake_counterparts(tensors: list[torch.Tensor], sids: list[Any]) -> dict[int, int]:
     """On fake tensors (estimate mode), a real tensor from before the step that an op reads (a
     constant a module cached in an earlier run) is converted to a fake by the fake mode, once
     (it memoises the conversion): a view of it lands on the fake's storage, which is the
@@ -430,7 +468,8 @@ def _fake_counterparts(tensors: list[torch.Tensor], sids: list[int]) -> dict[int
     mode = torch._guards.detect_fake_mode() if real else None
     if mode is None:
         return {}
-    return {mode.from_tensor(t).untyped_storage()._cdata: s for t, s in real}
+    return {storage_of(mode.from_tensor(t))._cdata: s[0] if isinstance(s, list) else s
+            for t, s in real}
 
 
 @dataclass
@@ -469,6 +508,9 @@ class _Recorder(TorchDispatchMode):
         self.sync = sync
         self.suspended = 0
         self.fake = False  # recording a step on fake tensors (estimate mode)
+        # the first forward op on a sparse tensor, on fake tensors: (op, module); estimate mode
+        # cannot size it (`_sparse_estimate_error`)
+        self.sparse_forward: tuple[str, str] | None = None
         self.phase = "forward"
         self.ops: list[OpRecord] = []
         self.placeholders: list[OpRecord] = []
@@ -547,15 +589,17 @@ class _Recorder(TorchDispatchMode):
 
     def register_fixed(self, kind: str, name: str, t: torch.Tensor) -> None:
         """A tensor that exists before the step: parameter, buffer or input."""
-        st = t.untyped_storage()
-        if id(st) in self.sid_of:
+        sts = storages_of(t)
+        if id(sts[0]) in self.sid_of:
             return  # shares storage with one already registered (tied weights)
-        sid = self._new_storage(st)
-        self.fixed_kind[sid] = kind
-        if kind == "buffer":
-            self.buffer_sids.add(sid)
+        new = [self._new_storage(st) for st in sts if id(st) not in self.sid_of]
+        sid = new[0]
+        for k in new:
+            self.fixed_kind[k] = kind
+            if kind == "buffer":
+                self.buffer_sids.add(k)
         rec = OpRecord(name=name, op="placeholder", phase=kind, module=name, storage=sid,
-                       new_storages=[sid])
+                       new_storages=new)
         self.placeholder_names.add(name)
         self.owner[sid] = -1 - len(self.placeholders)
         self.placeholders.append(rec)
@@ -563,16 +607,33 @@ class _Recorder(TorchDispatchMode):
     def sid(self, t: torch.Tensor) -> int:
         """The storage id of a tensor; a tensor from before the step that is not a parameter,
         buffer or input (a cached mask, a module attribute) becomes a constant placeholder."""
+        if t.layout != torch.strided:
+            return self.sids(t)[0]
         st = t.untyped_storage()
         sid = self.sid_of.get(id(st))
         if sid is None:
-            sid = self._new_storage(st)
-            self.fixed_kind[sid] = "buffer"
-            rec = OpRecord(name=f"constant_{len(self.placeholders)}", op="placeholder",
-                           phase="buffer", module="constant", storage=sid, new_storages=[sid])
-            self.owner[sid] = -1 - len(self.placeholders)
-            self.placeholders.append(rec)
+            sid = self._constant([st])[0]
         return sid
+
+    def sids(self, t: torch.Tensor) -> list[int]:
+        """`sid` of each of the tensor's storages (`storages_of`: a sparse tensor's values and
+        indices), those unknown made constants as `sid` does."""
+        sts = storages_of(t)
+        unknown = [st for st in sts if id(st) not in self.sid_of]
+        if unknown:
+            self._constant(unknown)
+        return [self.sid_of[id(st)] for st in sts]
+
+    def _constant(self, sts: list[torch.UntypedStorage]) -> list[int]:
+        new = [self._new_storage(st) for st in sts]
+        for k in new:
+            self.fixed_kind[k] = "buffer"
+        rec = OpRecord(name=f"constant_{len(self.placeholders)}", op="placeholder",
+                       phase="buffer", module="constant", storage=new[0], new_storages=new)
+        for k in new:
+            self.owner[k] = -1 - len(self.placeholders)
+        self.placeholders.append(rec)
+        return new
 
     def _name(self, base: str) -> str:
         """A fresh node name: the op's name, numbered, never a placeholder's (a parameter the
@@ -597,10 +658,10 @@ class _Recorder(TorchDispatchMode):
         seq = torch.autograd._get_sequence_nr()
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
         in_tensors = _tensors((args, kwargs))
-        in_sids = [self.sid(t) for t in in_tensors]
+        in_sids = [self.sid(t) if t.layout == torch.strided else self.sids(t) for t in in_tensors]
         if self.watched and self.phase == "forward":
             for t in in_tensors:
-                for w in self.watched.get(t.untyped_storage()._cdata, ()):
+                for w in self.watched.get(storage_of(t)._cdata, ()):
                     if w.tensor() is not None:
                         w.reads.append(len(self.ops))
         out = func(*args, **kwargs)
@@ -645,10 +706,21 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _record(self, func, args, kwargs, in_tensors, in_sids, out, seq, node) -> None:
+        """`in_sids`: each input's storage id, or a sparse input's list of them."""
         idx = len(self.ops)
-        in_cdata = {t.untyped_storage()._cdata: s for t, s in zip(in_tensors, in_sids, strict=True)}
+        if self.fake and not self.sparse_forward and self.phase in ("forward", "loss") and any(
+                t.layout != torch.strided for t in (*in_tensors, *_tensors(out))):
+            self.sparse_forward = (op_name(func),
+                                   self.module_stack[-1] if self.module_stack else "")
+        in_cdata: dict[int, int] = {}
+        for t, s in zip(in_tensors, in_sids, strict=True):
+            if isinstance(s, list):
+                in_cdata.update((st._cdata, k) for st, k in zip(storages_of(t), s, strict=True))
+            else:
+                in_cdata[t.untyped_storage()._cdata] = s
         if self.fake:
             in_cdata.update(_fake_counterparts(in_tensors, in_sids))
+        in_sids = [k for s in in_sids for k in (s if isinstance(s, list) else (s,))]
         outs = out if isinstance(out, tuple | list) else (out,)
         out_sids: list[int | None] = []
         new: list[int] = []
@@ -657,20 +729,22 @@ class _Recorder(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 out_sids.append(None)
                 continue
-            st = t.untyped_storage()
-            s = in_cdata.get(st._cdata)
-            if s is None and func is torch.ops.aten.lift_fresh.default and in_sids:
-                # A constant made in the model's code (``torch.tensor(x)``) enters the step:
-                # a real step returns the constant itself, fake tensors a fake copy of it.
-                s = in_sids[0]
-            if s is None:
-                s = self._new_storage(st)
-                new.append(s)
-                if not (t.is_floating_point() or t.is_complex()):
-                    no_grad.append(s)
-            else:  # a view or an in-place result of an input: map this storage object too
-                self._alias(st, s)
-            out_sids.append(s)
+            parts = []
+            for k, st in enumerate(storages_of(t)):
+                s = in_cdata.get(st._cdata)
+                if s is None and func is torch.ops.aten.lift_fresh.default and in_sids:
+                    # A constant made in the model's code (``torch.tensor(x)``) enters the
+                    # step: a real step returns the constant itself, fake tensors a fake copy.
+                    s = in_sids[0]
+                if s is None:
+                    s = self._new_storage(st)
+                    new.append(s)
+                    if k or not (t.is_floating_point() or t.is_complex()):
+                        no_grad.append(s)  # a sparse tensor's indices too
+                else:  # a view or an in-place result of an input: map this storage object too
+                    self._alias(st, s)
+                parts.append(s)
+            out_sids.append(parts[0])
         packet = getattr(func, "overloadpacket", None)
         base = getattr(packet, "__name__", None) or op_name(func).split(".")[-1]
         writes = []
@@ -695,8 +769,7 @@ class _Recorder(TorchDispatchMode):
             new_storages=new,
             no_grad_storages=no_grad if self.phase == "forward" else [],
             flops=flops,
-            bytes_moved=sum(t.numel() * t.element_size() for t in in_tensors)
-            + sum(t.numel() * t.element_size() for t in _tensors(out)),
+            bytes_moved=sum(_moved(t) for t in in_tensors) + sum(_moved(t) for t in _tensors(out)),
             random=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
             own_generator=self._generator_holder(_own_generator(args, kwargs)),
             mutates_buffer=any(s in self.buffer_sids for s in writes),
@@ -777,7 +850,8 @@ class _Recorder(TorchDispatchMode):
         autograd as in any step, and dies where the recording sees it die.)"""
         self.suspended += 1
         try:
-            sid = self.sid(t)
+            sids = self.sids(t)
+            sid = sids[0]
             seq = torch.autograd._get_sequence_nr() - 1
             made = self.owner.get(sid, -1)
             if self.seq_owner.get(seq, made) < made:
@@ -785,12 +859,12 @@ class _Recorder(TorchDispatchMode):
                 # Function whose forward ran its ops without gradients): the node is the last
                 # op's so far, after the saved tensor was made
                 self.seq_owner[seq] = len(self.ops) - 1
-            self.packs.append((seq, sid))
+            self.packs.extend((seq, k) for k in sids)
             if t.device.type == "cuda":
                 copy = t.detach().to("cpu")
             else:
                 copy = t.detach().clone()
-            return _Packed(copy, sid)
+            return _Packed(copy, sids)
         finally:
             self.suspended -= 1
 
@@ -800,9 +874,9 @@ class _Recorder(TorchDispatchMode):
             t = p.tensor
             if self._device is not None and t.device != self._device:
                 t = t.to(self._device)
-            if p.sid is not None:
-                # backward ops read the copy: they read the original storage
-                self._alias(t.untyped_storage(), p.sid)
+            # backward ops read the copy: they read the original storages
+            for st, sid in zip(storages_of(t), p.sids, strict=True):
+                self._alias(st, sid)
             return t
         finally:
             self.suspended -= 1
@@ -877,7 +951,7 @@ class _Recorder(TorchDispatchMode):
                 continue
             seen.add(id(o))
             if isinstance(o, torch.Tensor):
-                sid = self.sid_of.get(id(o.untyped_storage()))
+                sid = self.sid_of.get(id(storage_of(o)))
                 if sid is not None:
                     out.add(sid)
             elif isinstance(o, dict):
@@ -916,7 +990,7 @@ class _Recorder(TorchDispatchMode):
                 if self.structure and self.phase == "forward":
                     for k, v in vars(mod).items():
                         if isinstance(v, torch.Tensor) and v.device.type != "meta":
-                            self.watched.setdefault(v.untyped_storage()._cdata, []).append(
+                            self.watched.setdefault(storage_of(v)._cdata, []).append(
                                 _Watched(f"{name}.{k}", weakref.ref(mod), k, weakref.ref(v)))
             return hook
 
@@ -944,7 +1018,7 @@ class _Recorder(TorchDispatchMode):
                                     and before.get(k) != id(v):
                                 self.attribute_stores.append(
                                     (len(self.ops) - 1, f"{name}.{k}",
-                                     self.sid_of.get(id(v.untyped_storage()), -1)))
+                                     self.sid_of.get(id(storage_of(v)), -1)))
             return hook
 
         for name, m in model.named_modules():
@@ -1169,6 +1243,17 @@ def restoring(spec: StepSpec) -> Iterator[None]:
                 spec.params[k].grad = g
 
 
+def _sparse_estimate_error(spec: StepSpec, rec: _Recorder) -> CkptPlannerError:
+    op, where = rec.sparse_forward
+    return CkptPlannerError(
+        f"{type(spec.model).__name__}'s forward computes with sparse tensors ({op} in "
+        f"{where or 'the root module'}), which estimate mode cannot size: how many elements a "
+        "sparse result stores depends on values fake tensors do not have, and sparse kernels "
+        "take scratch memory they do not show. Profile in measure mode, on the target device "
+        "or at a smaller size here (sparse gradients of embeddings alone are fine: their size "
+        "follows from the number of lookups)")
+
+
 def _warm_up(spec: StepSpec) -> Exception | None:
     """One unrecorded step first, so that the recorded one is a step of training and not its
     first call: what a model computes once and keeps (an `lru_cache`d position index, as BEiT's
@@ -1244,7 +1329,11 @@ def record_step(
         except CkptPlannerError:
             raise
         except Exception as e:  # noqa: BLE001 - the model's own error, with where it happened
+            if rec.sparse_forward:
+                raise _sparse_estimate_error(spec, rec) from e
             raise _run_error(spec, rec, e, fake) from e
+    if rec.sparse_forward:
+        raise _sparse_estimate_error(spec, rec)
     if warm_up_error is not None:
         raise _failed_outside_recorder(spec, warm_up_error) from warm_up_error
     if rec.foreign_hooks:
@@ -1284,7 +1373,7 @@ def _grown_buffers(rec: _Recorder, spec: StepSpec) -> None:
     and the recorded step starts from the buffers as they were before the warm-up
     (`restoring`), while every step of training after the first finds them grown."""
     for b in spec.buffers.values():
-        st = b.untyped_storage()
+        st = storage_of(b)
         sid = rec.sid_of.get(id(st))
         if sid is not None and sid in rec.buffer_sids:
             rec.storage_bytes[sid] = max(rec.storage_bytes[sid], int(st.nbytes()))
