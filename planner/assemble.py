@@ -274,6 +274,7 @@ def to_profile(
                 inputs=tuple(names[i] for i in r.inputs),
                 module=r.module,
                 storage=r.storage,
+                storage_parts=tuple(r.storage_parts),
                 new_storages=tuple(r.new_storages),
                 saves=tuple(sorted(r.saves)) if r.phase in ("forward", "loss") else (),
                 grad_of=names[r.grad_of] if r.grad_of is not None else None,

@@ -55,6 +55,7 @@ class GraphIndex:
                 j = self.name_to_i[name]
                 if out_storage[j] is not None:
                     r.add(out_storage[j])
+                    r.update(nodes[j].storage_parts)  # a sparse output's indices
                 else:
                     r.update(self.new[j])
             all_reads.append(r)

@@ -81,6 +81,9 @@ class Node:
     """Dotted path of the module that issued the op (forward nodes), e.g. ``transformer.h.3.attn``."""
     storage: int | None = None
     """Id of the storage this node's output tensor lives in; None for tuple or non-tensor outputs."""
+    storage_parts: tuple[int, ...] = ()
+    """For a sparse output: the storages of its indices (`storage` is its values'). An op that
+    reads the output reads them all (a checkpoint that takes it as input keeps them all)."""
     new_storages: tuple[int, ...] = ()
     """Storages this node allocates (empty for views, in-place ops and getitem)."""
     saves: tuple[int, ...] = ()
@@ -408,7 +411,8 @@ class Profile:
                     f"{source}: nodes[{i}] ({nd['name']!r}) has unknown fields {sorted(unknown)}"
                 )
             kw = {k: tuple(v) if isinstance(v, list) else v for k, v in nd.items()}
-            for key in ("inputs", "new_storages", "saves", "releases", "no_grad_storages"):
+            for key in ("inputs", "new_storages", "saves", "releases", "no_grad_storages",
+                        "storage_parts"):
                 if key in kw and not isinstance(kw[key], tuple):
                     raise ProfileError(
                         f"{source}: nodes[{i}] ({nd['name']!r}): field {key!r} is "
@@ -588,7 +592,9 @@ def _validate(p: Profile) -> None:
         if not set(n.no_grad_storages) <= set(n.new_storages):
             raise ProfileError(f"{where}: no_grad_storages {list(n.no_grad_storages)} are not "
                                "among the storages it allocates (new_storages)")
-        for s in (*n.new_storages, *n.saves, *n.releases,
+        if n.storage_parts and n.storage is None:
+            raise ProfileError(f"{where}: storage_parts without a storage")
+        for s in (*n.new_storages, *n.saves, *n.releases, *n.storage_parts,
                   *(() if n.storage is None else (n.storage,))):
             if not _is_count(s) or s >= n_st:
                 raise ProfileError(

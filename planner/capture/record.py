@@ -201,6 +201,8 @@ class OpRecord:
     """Indices of the records whose outputs this op reads."""
     module: str = ""
     storage: int | None = None
+    storage_parts: list[int] = field(default_factory=list)
+    """A sparse output's other storages (its indices'); `storage` is its values'."""
     new_storages: list[int] = field(default_factory=list)
     saves: set[int] = field(default_factory=set)
     grad_of: int | None = None
@@ -723,11 +725,13 @@ class _Recorder(TorchDispatchMode):
         in_sids = [k for s in in_sids for k in (s if isinstance(s, list) else (s,))]
         outs = out if isinstance(out, tuple | list) else (out,)
         out_sids: list[int | None] = []
+        out_parts: list[list[int]] = []  # per tensor output, its storages beyond the first
         new: list[int] = []
         no_grad: list[int] = []  # integer and boolean outputs: never a grad_fn
         for t in outs:
             if not isinstance(t, torch.Tensor):
                 out_sids.append(None)
+                out_parts.append([])
                 continue
             parts = []
             for k, st in enumerate(storages_of(t)):
@@ -745,6 +749,7 @@ class _Recorder(TorchDispatchMode):
                     self._alias(st, s)
                 parts.append(s)
             out_sids.append(parts[0])
+            out_parts.append(parts[1:])
         packet = getattr(func, "overloadpacket", None)
         base = getattr(packet, "__name__", None) or op_name(func).split(".")[-1]
         writes = []
@@ -766,6 +771,7 @@ class _Recorder(TorchDispatchMode):
             inputs=sorted({self.owner.get(s, -1) for s in in_sids if s in self.owner}),
             module=self.module_stack[-1] if self.module_stack and self.phase == "forward" else "",
             storage=out_sids[0] if not isinstance(out, tuple | list) else None,
+            storage_parts=out_parts[0] if not isinstance(out, tuple | list) else [],
             new_storages=new,
             no_grad_storages=no_grad if self.phase == "forward" else [],
             flops=flops,
@@ -797,15 +803,16 @@ class _Recorder(TorchDispatchMode):
             rec.python_backward = isinstance(node, torch.autograd.function.BackwardCFunction)
         self.ops.append(rec)
         if isinstance(out, tuple | list):
-            for s in out_sids:
+            for s, parts in zip(out_sids, out_parts, strict=True):
                 if s is None:
                     continue
                 g = OpRecord(name=self._name("getitem"), op="getitem", phase=self.phase,
-                             inputs=[idx], module=rec.module, storage=s, grad_of=rec.grad_of,
-                             python_backward=rec.python_backward)
+                             inputs=[idx], module=rec.module, storage=s, storage_parts=parts,
+                             grad_of=rec.grad_of, python_backward=rec.python_backward)
                 self.ops.append(g)
-                if s in new:
-                    self.owner[s] = len(self.ops) - 1
+                for part in (s, *parts):
+                    if part in new:
+                        self.owner[part] = len(self.ops) - 1
         else:
             for s in new:
                 self.owner[s] = idx

@@ -229,6 +229,15 @@ def _no_grad_not_allocated(d):
     _node(d, "relu")["no_grad_storages"] = [2]
 
 
+def _storage_part_out_of_range(d):
+    _node(d, "relu")["storage_parts"] = [77]
+
+
+def _storage_parts_without_storage(d):
+    _node(d, "relu")["storage"] = None
+    _node(d, "relu")["storage_parts"] = [2]
+
+
 def _saves_on_backward(d):
     _node(d, "threshold_backward")["saves"] = [3]
 
@@ -257,6 +266,12 @@ MALFORMED = {
     "no_grad storage it does not allocate": (
         _no_grad_not_allocated,
         r"'relu'\): no_grad_storages \[2\] are not among the storages it allocates",
+    ),
+    "sparse index storage out of range": (_storage_part_out_of_range,
+                                          r"storage id 77 is out of range"),
+    "sparse index storages without a storage": (
+        _storage_parts_without_storage,
+        r"'relu'\): storage_parts without a storage",
     ),
     "saves on a backward node": (
         _saves_on_backward,
