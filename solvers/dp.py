@@ -110,6 +110,10 @@ class ChainModel:
     that can be checkpointed (the only segments a plan applied in place can checkpoint). None:
     every segment can (a traced profile's node ranges)."""
 
+    host: np.ndarray | None = None
+    """(K1, K1, 3) the part of `time` that is checkpoint's host cost (zero where not replayed);
+    None: no part is."""
+
     time_rows: list[list[list[float]]] = field(init=False, repr=False)
     """`time` as nested lists, for the DP's inner loop (numpy scalars are slow to index there)."""
 
@@ -119,6 +123,16 @@ class ChainModel:
     def checkpointable(self, i: int, j: int) -> bool:
         """Segment (i, j) may be checkpointed (on a recorded profile: it is a useful call)."""
         return self.into is None or i in self.into[j]
+
+    def without_host(self) -> ChainModel | None:
+        """The same chain with checkpoint's host cost taken out of `time`; None where it has
+        none. Its plans at a low budget are those of the least kernel time: the floor search
+        (`_solve_pool`) tries both, since a calibrated host cost (a noisy measurement) decides
+        among near-equal plans at the lowest budgets, and their simulated peaks differ."""
+        if self.host is None or not self.host.any():
+            return None
+        return ChainModel(self.cuts, self.g_bytes, self.time - self.host, self.add, self.own,
+                          self.has_mm, self.into)
 
 
 def chain_model(profile: Profile) -> ChainModel:
@@ -215,9 +229,12 @@ def _chain_model(profile: Profile) -> ChainModel:
     nsv = np.concatenate([[0.0], np.cumsum([len(g.saves[i]) for i in fwd])])
     host = g.region_ms + g.saved_tensor_ms * (nsv[b_ + 1] - nsv[a_])
     time = np.zeros((k1, k1, 3))
-    time[:, :, CKPT] = np.where(replays, tcum[e_safe + 1] - tcum[a_] + host, 0.0)
+    hosts = np.zeros((k1, k1, 3))
+    hosts[:, :, CKPT] = np.where(replays, host, 0.0)
     sel_host = g.selective_op_ms * (b_ + 1 - a_)  # selective regions: a dispatch mode per op
-    time[:, :, SEL] = np.where(replays, tnm[e_safe + 1] - tnm[a_] + host + sel_host, 0.0)
+    hosts[:, :, SEL] = np.where(replays, host + sel_host, 0.0)
+    time[:, :, CKPT] = np.where(replays, tcum[e_safe + 1] - tcum[a_], 0.0) + hosts[:, :, CKPT]
+    time[:, :, SEL] = np.where(replays, tnm[e_safe + 1] - tnm[a_], 0.0) + hosts[:, :, SEL]
     keep = q1cum[b_ + 1] - q1cum[a_]
     ck = inp2 + out2
     add = np.zeros((k1, k1, 3))
@@ -229,7 +246,7 @@ def _chain_model(profile: Profile) -> ChainModel:
     own[:, :, SEL] = add[:, :, SEL] + hold_nm2
     has_mm = (mmcum[b_ + 1] - mmcum[a_]) > 0
     g_bytes = simulate(profile).peak_bytes - int(q1cum[-1])
-    return ChainModel(cuts, g_bytes, time, add, own, has_mm, into)
+    return ChainModel(cuts, g_bytes, time, add, own, has_mm, into, hosts)
 
 
 def solve_chain(m: ChainModel, budget_bytes: float, buckets: int = MEMORY_BUCKETS) -> Plan | None:
@@ -322,6 +339,10 @@ POOL_BUCKETS = 250
 error per segment stays below 1/250 of the activation budget)."""
 GRID_ITERS = 3
 """Re-solves per target after the simulation overshoots it."""
+FLOOR_POINTS = 16
+FLOOR_BAND = 0.25
+"""The floor sweep: `FLOOR_POINTS` model budgets evenly spaced over the lowest `FLOOR_BAND` of
+the range from the smallest model budget with a plan to the no-checkpoint peak."""
 
 
 def _pool(profile: Profile) -> list[tuple[int, float, tuple[Region, ...]]]:
@@ -344,16 +365,28 @@ def _solve_pool(profile: Profile) -> list[tuple[int, float, tuple[Region, ...]]]
             found[regs] = (r.peak_bytes, r.recompute_ms)
         return found[regs][0]
 
-    # The smallest model budget with a plan, by bisection: the low end of the grid.
-    lo, hi = float(m.g_bytes), float(none_peak)
-    for _ in range(10):
-        mid = (lo + hi) / 2
-        plan = solve_chain(m, mid, POOL_BUCKETS)
-        if plan is None:
-            lo = mid
-        else:
-            sim(plan)
-            hi = mid
+    # The smallest model budget with a plan, by bisection, then a sweep of model budgets above
+    # it: the chain model errs most there (a plan it puts MBs above another may simulate below
+    # it), and the lowest plans found are where `nested` and `ilp` start from. On the chain
+    # without checkpoint's host cost too (a calibrated figure that decides among near-equal plans
+    # at the lowest budgets); every plan is simulated with the host cost all the same.
+    for chain in (m, m.without_host()):
+        if chain is None:
+            continue
+        lo, hi = float(chain.g_bytes), float(none_peak)
+        for _ in range(10):
+            mid = (lo + hi) / 2
+            plan = solve_chain(chain, mid, POOL_BUCKETS)
+            if plan is None:
+                lo = mid
+            else:
+                sim(plan)
+                hi = mid
+        for k in range(1, FLOOR_POINTS + 1):
+            plan = solve_chain(chain, hi + (none_peak - hi) * FLOOR_BAND * k / FLOOR_POINTS,
+                               POOL_BUCKETS)
+            if plan is not None:
+                sim(plan)
     floor = min((pk for pk, _ in found.values()), default=none_peak)
     for k in range(GRID_POINTS + 1):
         target = floor + (none_peak - floor) / GRID_POINTS * k
@@ -385,13 +418,18 @@ def _options(profile: Profile, budget_bytes: int
 
 
 def lowest_plans(profile: Profile, budget_bytes: int, count: int) -> list[tuple[Region, ...]]:
-    """The `count` schedules of lowest simulated peak (then least recompute) among those `dp`
-    chooses among at `budget_bytes`: where none fits, the starting points `nested` tries."""
+    """Where none fits, the starting points `nested` tries: among the schedules `dp` chooses
+    among at `budget_bytes`, by simulated peak (then least recompute), the lowest of each number
+    of regions, `count` of them. A greedy descent's end depends on its start more than on the
+    start's peak: a start of fewer, larger regions can end below the lowest start's end, where
+    the lowest few plans of the pool often descend to the same end."""
     options = _options(profile, budget_bytes)
     out: list[tuple[Region, ...]] = []
+    sizes: set[int] = set()
     for _, _, regs, _ in sorted(options, key=lambda o: (o[0], o[1], len(o[2]))):
-        if regs not in out:
+        if len(regs) not in sizes:
             out.append(regs)
+            sizes.add(len(regs))
         if len(out) == count:
             break
     return out

@@ -48,9 +48,9 @@ MAX_STEPS = 256
 
 
 STARTS = 3
-"""Where no schedule of dp's fits: the descent starts from this many of its lowest-peak ones
-(`solvers.dp.lowest_plans`) and keeps the best end. A greedy descent can stall on a start that
-another start of the same peak gets past."""
+"""Where no schedule of dp's fits: the descent starts from this many of them (the lowest-peak one
+of each number of regions, `solvers.dp.lowest_plans`) and keeps the best end. A greedy descent
+can stall on a start that another start gets past."""
 
 
 def nested(profile: Profile, budget_bytes: int, time_limit_s: float | None = None) -> Schedule:

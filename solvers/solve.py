@@ -17,7 +17,7 @@ from solvers.chain import applicable, bind, in_place
 from solvers.dp import dp
 from solvers.errors import ScheduleError, SolverUnavailableError
 from solvers.nested import nested
-from solvers.profile import Profile
+from solvers.profile import Profile, cached
 from solvers.schedule import Method, Schedule
 from solvers.simulate import simulate
 
@@ -169,6 +169,35 @@ def _usable(profile: Profile, schedule: Schedule) -> bool:
 
 
 def _auto(profile: Profile, budget_bytes: int, time_limit_s: float | None) -> Schedule:
+    """`_auto_on` the profile; where nothing fits a measured profile, also on `by_work`'s times
+    (as `_floors` does), so that a budget at or above the smallest peak `lowest` reports gets a
+    schedule."""
+    t0 = time.perf_counter()
+    best = _auto_on(profile, budget_bytes, time_limit_s)
+    if best.feasible or not _measured(profile):
+        return best
+    left = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - t0))
+    other = _auto_on(_by_work(profile), budget_bytes, left)
+    other = finish(profile, other, budget_bytes)
+    if other.feasible:
+        return dataclasses.replace(other, stats={**other.stats, "times": "by_work",
+                                                 "solve_time_s": time.perf_counter() - t0})
+    least = min(best.min_peak_bytes or math.inf, other.predicted_peak_bytes,
+                other.min_peak_bytes or math.inf)
+    return dataclasses.replace(best, min_peak_bytes=int(least))
+
+
+def _measured(profile: Profile) -> bool:
+    """Whether the profile's times were measured (they move from run to run): the searches then
+    also run on `by_work`'s."""
+    return profile.meta.mode == "measure"
+
+
+def _by_work(profile: Profile) -> Profile:
+    return cached(profile, "by_work", by_work)
+
+
+def _auto_on(profile: Profile, budget_bytes: int, time_limit_s: float | None) -> Schedule:
     t0 = time.perf_counter()
     best: Schedule | None = None
     tried: dict[str, str] = {}
@@ -207,21 +236,47 @@ FLOOR_TIME_LIMIT_S = 30.0
 blocks the descent is long, and cut short it ends higher."""
 
 
+WORK_FLOPS_PER_MS = 1e8
+WORK_BYTES_PER_MS = 1e7
+"""The rates of `by_work`'s roofline (100 GFLOP/s, 10 GB/s): what matters is that they are the
+same for every profile, not that they match a device."""
+
+
+def by_work(profile: Profile) -> Profile:
+    """`profile` with every op's time replaced by a roofline of its FLOPs and bytes moved at
+    fixed rates, and checkpoint's host costs zero: times that are the same on every profile of
+    a model (the measured ones move from run to run, the host costs most)."""
+    nodes = tuple(dataclasses.replace(n, time_ms=max(n.flops / WORK_FLOPS_PER_MS,
+                                                     n.bytes_moved / WORK_BYTES_PER_MS))
+                  if n.time_ms else n for n in profile.nodes)
+    meta = dataclasses.replace(profile.meta, checkpoint_region_ms=0.0,
+                               checkpoint_saved_tensor_ms=0.0, checkpoint_selective_op_ms=0.0)
+    return dataclasses.replace(profile, nodes=nodes, meta=meta)
+
+
 def _floors(profile: Profile, time_limit_s: float | None) -> list[Schedule]:
     """Each method's schedule at a budget of 0 (the lowest peak it finds); on a recorded profile,
-    only those that can be applied in place. Methods whose solver is not installed are left out."""
+    only those that can be applied in place. Methods whose solver is not installed are left out.
+
+    The searches weigh peak against time where plans tie on peak, so the lowest peak they reach
+    depends on the times. On a measured profile they also run on `by_work`'s times, and those
+    schedules join the others (simulated on the measured profile): the floor is then no higher
+    than one the timer's noise cannot move."""
     out = []
-    for name in METHODS:
-        try:
-            s = solve(profile, 0, name, time_limit_s)
-        except SolverUnavailableError:
-            continue
-        except ScheduleError:
-            if not sharded(profile):
-                raise
-            continue
-        if _usable(profile, s):
-            out.append(s)
+    for p in (profile, *((_by_work(profile),) if _measured(profile) else ())):
+        for name in METHODS:
+            try:
+                s = solve(p, 0, name, time_limit_s)
+            except SolverUnavailableError:
+                continue
+            except ScheduleError:
+                if not sharded(profile):
+                    raise
+                continue
+            if p is not profile:
+                s = finish(profile, s, 0)
+            if _usable(profile, s):
+                out.append(s)
     return out
 
 
