@@ -1040,6 +1040,15 @@ def plan_from_profile(model: torch.nn.Module, profile: Profile, *, budget_bytes:
     else:
         schedule = solve_within(profile, budget_bytes, method, time_limit_s)
     t1 = time.perf_counter()
+    if not schedule.feasible and method != "auto":
+        least = lowest(profile)
+        if least.predicted_peak_bytes + SLACK_BYTES <= budget_bytes:
+            reached = (f" (its lowest peak: {format_bytes(schedule.min_peak_bytes)})"
+                       if schedule.min_peak_bytes else "")
+            raise InfeasibleBudgetError(
+                f"method {method!r} finds no schedule within budget {format_bytes(budget_bytes)}"
+                f"{reached}; the other searches reach {format_bytes(least.predicted_peak_bytes)} "
+                f"({least.method}): leave method='auto'")
     if not schedule.feasible:
         raise _infeasible(profile, budget_bytes)
     schedule = dataclasses.replace(schedule, made_for=made_for(model, profile))

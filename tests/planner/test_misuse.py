@@ -255,6 +255,21 @@ def _unknown_mode():
     return planner.profile(m, x, mode="fast")
 
 
+def _method_short_of_the_budget():
+    """per_block at a budget below its own peak that nested reaches: the error names the
+    method, not the smallest achievable peak (which is below the budget)."""
+    from planner.api import SLACK_BYTES, plan_from_profile
+    from solvers import solve
+    from solvers.solve import lowest
+
+    m, x = _gpt()
+    prof = planner.profile(m, x, repeats=1)
+    low = lowest(prof).predicted_peak_bytes
+    blocks = solve(prof, 2**62, "per_block").predicted_peak_bytes
+    assert low + 2 * SLACK_BYTES < blocks  # room between the two
+    return plan_from_profile(m, prof, budget_bytes=(low + blocks) // 2, method="per_block")
+
+
 def _unknown_method():
     m, x = _gpt()
     return planner.plan(m, budget_gb=1, example_inputs=x, method="magic", repeats=1)
@@ -360,6 +375,10 @@ ROWS = [
     Row("unknown profiling mode", _unknown_mode, CkptPlannerError,
         r"expected 'measure' or 'estimate'"),
     Row("unknown solver method", _unknown_method, ValueError, r"expected one of auto, "),
+    Row("a method that cannot reach a budget others reach", _method_short_of_the_budget,
+        planner.InfeasibleBudgetError,
+        r"method 'per_block' finds no schedule within budget .* the other searches reach "
+        r".*leave method='auto'"),
     Row("FSDP2 mixed precision without fsdp=True", lambda: _plan(mp_policy=_mp()),
         CkptPlannerError, r"mp_policy is FSDP2's mixed precision; pass fsdp=True"),
     Row("mp_policy not a MixedPrecisionPolicy", lambda: _plan(fsdp=True,
