@@ -1,8 +1,9 @@
 """Shared test setup.
 
-Lanes: ``pytest tests/solvers`` is torch-free and runs in seconds; ``pytest -m "not slow"`` is the
-quick lane (everything but whole-model sweeps, notebooks and distributed runs); ``pytest -n 2``
-runs everything in two worker processes, as CI does.
+Lanes: ``pytest tests/solvers -m "not slow"`` is torch-free and quick (its slow tests replay
+the committed 7B and U-Net profiles); ``pytest -m "not slow"`` is the quick lane (everything
+but whole-model sweeps, notebooks, distributed runs and compiled loops); ``pytest -n 2`` runs
+everything in two worker processes, as CI does.
 """
 
 from __future__ import annotations

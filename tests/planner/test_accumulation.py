@@ -129,6 +129,7 @@ def test_gradient_accumulation_under_fsdp_holds_the_sharded_gradients():
         sum(n.op == "fsdp.sharded_grads" for n in q.nodes) == len(q.meta.shard_units)
 
 
+@pytest.mark.slow
 def test_a_compiled_plan_for_accumulation_holds_in_a_compiled_loop():
     """With compile=, the compiled copies are measured with every gradient held: the model
     compiled with the plan's backend keeps a loop of three accumulated micro-batches within the

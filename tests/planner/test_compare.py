@@ -229,6 +229,7 @@ def test_timed_rounds_come_after_every_strategy_is_set_up(monkeypatch) -> None:
         assert min(r.samples_ms) >= stepped, r  # taken after every setup step
 
 
+@pytest.mark.slow
 def test_the_65_percent_point_has_every_plan_of_ours_on_eager_attention() -> None:
     """On a transformer with eager attention, "ours" is planned at 0.35x as well (the ">= 65%
     less activation memory at <= 5% extra" target), compiled as well as eager, and the target

@@ -51,6 +51,7 @@ def test_layerdrop_profile_is_the_draw_that_runs_every_layer():
     assert min(peaks) < max(peaks)  # the draws do skip layers: memory moves
 
 
+@pytest.mark.slow
 def test_layerdrop_plan_holds_its_budget_on_every_draw():
     model, inputs = _bart(0.15)
     torch.manual_seed(3)
@@ -300,7 +301,7 @@ def test_layerdrop_compiled_plan_holds_its_budget_on_every_draw():
     assert min(peaks) < max(peaks)
 
 
-@pytest.mark.parametrize("build", ["bart", "python_random"])
+@pytest.mark.parametrize("build", [pytest.param("bart", marks=pytest.mark.slow), "python_random"])
 def test_verify_compares_the_draw_the_plan_is_for(build):
     """`Plan.verify` on a model that skips layers at random: the same gradients with and without
     the plan (both draws seeded alike, Python's `random` included), and the peak measured on a

@@ -50,7 +50,13 @@ def _time_limited(schedule: dict) -> bool:
     return schedule["status"] == "time_limit" or schedule["stats"].get("status") == "Time limit reached"
 
 
-@pytest.mark.parametrize("path", PATHS, ids=[profile_name(p) for p in PATHS])
+SLOW = {"unet_h100", "llama7b_h100"}
+"""Profiles whose replay takes seconds: in the full run, not the quick lane."""
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow)
+                                  if profile_name(p) in SLOW else p for p in PATHS],
+                         ids=[profile_name(p) for p in PATHS])
 def test_schedules_match_snapshot(path):
     snap = json.loads(snapshot_path(path).read_text(encoding="utf-8"))
     assert snap["snapshot_version"] == SNAPSHOT_VERSION

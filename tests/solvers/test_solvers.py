@@ -186,6 +186,7 @@ def test_chain_helper():
     assert len(blocks(p)) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["unet_h100"])
 def test_answer_does_not_depend_on_what_was_solved_before(name):
     """dp keeps its verified plans per profile; the schedule at a budget is the same on a fresh
@@ -241,6 +242,7 @@ def test_lowest_reaches_the_peak_its_search_found(solver_cases, monkeypatch):
     assert s.regions
 
 
+@pytest.mark.slow
 def test_smallest_peak_does_not_move_with_the_timer():
     """The searches weigh time where plans tie on peak, so the lowest peak they reached moved
     with the measured times: two profiles of one GNN (its attention runs `torch.sparse.softmax`;

@@ -50,6 +50,7 @@ def test_sweeps_agree_on_hand_built_profiles(solver_cases):
         _check(p, k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2_small_h100", "unet_h100"])
 def test_sweeps_agree_on_committed_profiles(name):
     p = Profile.load(ROOT / "profiles" / f"{name}.json.gz")
