@@ -122,7 +122,9 @@ def solve(
     `flow_func` is: its answer is checked like every method's. Never raises for an infeasible
     budget: the status is then ``infeasible`` and `min_peak_bytes` holds the smallest peak the
     method found. `auto` runs every method of `METHODS` and returns the feasible schedule with the
-    least recompute time (ties: the lower peak).
+    least recompute time (ties: the lower peak); where none fits a measured profile, it runs them
+    again on `by_work`'s times (the floor search does too, so that a budget at the smallest peak
+    reported gets a schedule).
     """
     budget_bytes = int(budget_bytes)
     if callable(method):
