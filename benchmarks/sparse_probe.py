@@ -16,6 +16,7 @@ same state, and their parameters and buffers are compared. The last column is es
 from __future__ import annotations
 
 import copy
+import itertools
 import sys
 import time
 import warnings
@@ -32,6 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
+from benchmarks._probe import floor_and_half_way, max_rel_diff, train  # noqa: E402
 from solvers.errors import CkptPlannerError  # noqa: E402
 from solvers.simulate import simulate  # noqa: E402
 
@@ -195,14 +197,7 @@ def _state(model: nn.Module) -> list[torch.Tensor]:
 
 def _train(model: nn.Module, inputs: Any, loss_fn) -> list[torch.Tensor]:
     """3 SGD steps from seed 1; the model's state after them."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(*args)).backward()
-            opt.step()
+    train(model, inputs, loss_fn)
     return _state(model)
 
 
@@ -221,31 +216,22 @@ def main() -> int:
         except CkptPlannerError as e:  # fake tensors cannot know a sparse result's size
             est = "refused: sparse tensors in forward" if "sparse tensors" in str(e) \
                 else f"fails: {str(e)[:90]}"
+        runs = floor_and_half_way(model, inputs, loss_fn)
         try:
-            low = planner.plan(model, None, example_inputs=inputs, loss_fn=loss_fn)
+            first = next(runs)
         except CkptPlannerError as e:
             print(f"| {name} | | does not plan: {str(e).splitlines()[0][:160]} | | | | |")
             continue
-        none = low.baselines()["none"].predicted_peak_bytes
-        for f in (None, 0.5):
-            if f is None:
-                p, label = low, "smallest peak"
-            else:
-                planner.remove(model)
-                p = planner.plan(model, budget_bytes=int(low.predicted_peak_bytes + f * (
-                    none - low.predicted_peak_bytes)), example_inputs=inputs, loss_fn=loss_fn)
-                label = "half way"
+        for label, p, none in itertools.chain([first], runs):
             v = p.verify()
-            after = _train(model, inputs, loss_fn)
-            ref = _train(copy.deepcopy(twin), inputs, loss_fn)
-            diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-                       for a, b in zip(after, ref, strict=True) if a.is_floating_point())
+            diff = max_rel_diff(_train(model, inputs, loss_fn),
+                                _train(copy.deepcopy(twin), inputs, loss_fn))
             for a, b in zip(model.parameters(), twin.parameters(), strict=True):
                 with torch.no_grad():
                     a.copy_(b)  # the next plan starts from the same weights
             shown = f"{p.schedule.method}, {len(p.schedule.regions)} regions, " \
                     f"{p.predicted_peak_bytes / none:.0%} of none"
-            estimate = "" if f is not None else est if isinstance(est, str) else \
+            estimate = "" if label != "smallest peak" else est if isinstance(est, str) else \
                 f"{simulate(est).peak_bytes - v.measured_none_peak_bytes:+d}"
             print(f"| {name} | {label} | {shown} | "
                   f"{p.predicted_peak_bytes - v.measured_peak_bytes:+d} | "

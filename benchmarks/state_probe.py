@@ -18,6 +18,7 @@ from the same state (generators reseeded alike), and their parameters and buffer
 from __future__ import annotations
 
 import copy
+import itertools
 import sys
 import time
 import warnings
@@ -34,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
+from benchmarks._probe import floor_and_half_way, max_rel_diff, train  # noqa: E402
 from planner.measurement import measure  # noqa: E402
 from solvers.errors import CkptPlannerError  # noqa: E402
 
@@ -226,14 +228,7 @@ def _train(model: nn.Module, inputs: Any, loss_fn) -> list[torch.Tensor]:
     for m in model.modules():
         if isinstance(getattr(m, "gen", None), torch.Generator):
             m.gen.manual_seed(5)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(*args)).backward()
-            opt.step()
+    train(model, inputs, loss_fn)
     return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
 
 
@@ -246,20 +241,13 @@ def main() -> int:
     for name, build in cases():
         model, inputs, loss_fn = build()
         twin = copy.deepcopy(model)
+        runs = floor_and_half_way(model, inputs, loss_fn)
         try:
-            low = planner.plan(model, None, example_inputs=inputs, loss_fn=loss_fn)
+            first = next(runs)
         except CkptPlannerError as e:
             print(f"| {name} | | does not plan: {str(e).splitlines()[0][:160]} | | | |")
             continue
-        none = low.baselines()["none"].predicted_peak_bytes
-        for f in (None, 0.5):
-            if f is None:
-                p, label = low, "smallest peak"
-            else:
-                planner.remove(model)
-                p = planner.plan(model, budget_bytes=int(low.predicted_peak_bytes + f * (
-                    none - low.predicted_peak_bytes)), example_inputs=inputs, loss_fn=loss_fn)
-                label = "half way"
+        for label, p, none in itertools.chain([first], runs):
             blocked = sum(1 for c in p.profile.calls if c.blocker)
             plan = (f"{p.schedule.method}, {len(p.schedule.regions)} regions, "
                     f"{p.predicted_peak_bytes / none:.0%} of none"
@@ -275,9 +263,7 @@ def main() -> int:
             except planner.PlanNotEffectiveError as e:
                 diff, ok = "", f"not effective: {str(e).split(': ')[1]}"
             a, b = copy.deepcopy(twin), copy.deepcopy(model)
-            want, got = _train(a, inputs, loss_fn), _train(b, inputs, loss_fn)
-            err = max(((g - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
-                      for g, w in zip(got, want, strict=True) if w.numel())
+            err = max_rel_diff(_train(b, inputs, loss_fn), _train(a, inputs, loss_fn))
             print(f"| {name} | {label} | {plan} | {diff} | {ok} | {err:.0e} |", flush=True)
         planner.remove(model)
     print(f"\n{time.perf_counter() - t0:.0f} s")
