@@ -115,6 +115,7 @@ class GraphIndex:
                 j = self.name_to_i[name]
                 if out_storage[j] is not None:
                     self.persist.add(out_storage[j])
+                    self.persist.update(nodes[j].storage_parts)  # a sparse gradient's indices
                 self.persist.update(self.new[j])
         self.fixed_bytes = p.fixed_bytes
         # Autocast's cached casts: under `torch.autocast`, the first op that needs a parameter

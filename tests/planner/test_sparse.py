@@ -147,8 +147,7 @@ def test_a_checkpoint_taking_a_sparse_tensor_keeps_its_indices():
     after it (the sparse matmul that reads the attention), checkpointed too: the second
     checkpoint keeps the attention, values and indices, until its backward. A reader of a
     sparse output read only its values' storage, so the prediction left out the indices (a
-    smallest-peak plan on `benchmarks/sparse_probe.py`'s model was under by 255,568 B: its
-    indices)."""
+    smallest-peak plan on `benchmarks/sparse_probe.py`'s model was under by their size)."""
     model, inputs, loss_fn = _gnn("sparse_attention")
     prof = planner.profile(model, inputs, loss_fn=loss_fn, repeats=1)
     fwd = [n.name for n in prof.nodes if n.phase == "forward"]

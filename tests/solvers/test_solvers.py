@@ -246,8 +246,8 @@ def test_lowest_reaches_the_peak_its_search_found(solver_cases, monkeypatch):
 def test_smallest_peak_does_not_move_with_the_timer():
     """The searches weigh time where plans tie on peak, so the lowest peak they reached moved
     with the measured times: two profiles of one GNN (its attention runs `torch.sparse.softmax`;
-    the chain model errs by MBs near its floor), measured in two runs, found smallest peaks a
-    third apart, and the per-region host cost, a calibration, moved one as much."""
+    the chain model errs by MBs near its floor), measured in two runs, found smallest peaks far
+    apart, and the per-region host cost, a calibration, moved one as much."""
     import dataclasses
 
     from solvers import Profile
