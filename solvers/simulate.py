@@ -19,6 +19,10 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   its autograd nodes has run backward: the tensors its ops read from outside, and whatever the
   call's arguments reach (`ModuleCall.holds`). Tensors its ops would save are not kept, except
   the outputs of nodes marked saved (selective checkpointing), which are cached from forward.
+  Any region's call, a nested one's too, and one run again inside a parent's replay, keeps its
+  tensor arguments until it returns (checkpoint's own frames hold them), or until a replay's
+  early stop unwinds it: past their last reader, where a run of traced stages or of a
+  Sequential's children is a call the model's own code does not make.
 - In backward, the first of the region's autograd nodes to unpack a saved tensor replays the
   region from its start up to its early stop (`solvers.chain.early_stops`: its last op that
   saves anything, or the op before it when that op saves only its inputs). Every op before the
@@ -38,7 +42,15 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   a replayed one runs its checkpoint again inside the replay: the new frame (its own RNG state,
   and what it keeps by reference: the tensors the objects among its arguments reach, a cache,
   and tensor arguments its ops never read, `ModuleCall.holds`) lives until the replay
-  returns. (The RNG state is host memory on a GPU, counted on CPU only.)
+  returns. (The RNG state is host memory on a GPU, counted on CPU only.) The parent's replay
+  saves the nested call's tensor arguments for that frame; the nested region's own replay
+  unpacks them as it starts and drops them as it returns (its early stop), so they live until
+  then, or until the backward of its replayed ops that save them, or as long as a region nested
+  in it that takes them needs them. One backward op can trigger a chain of replays (it unpacks
+  what the innermost region saved, whose arguments the region around it saved): the outer
+  replay runs first and returns before the inner one starts. A nested region that never
+  replays (nothing it saves is read in backward) is left out, but its call still saves its
+  tensor arguments to the parent's frame as it starts: the parent's replay runs up to it.
 - Under `torch.autocast`, a parameter cast to the lower precision is made by the first op that
   needs it and taken from autocast's cache by every later op of the same autocast block, until
   the block ends (`GraphIndex.autocast_casts`). A replay runs in an autocast block of its own:
@@ -111,6 +123,17 @@ class Simulation:
     """With `timeline`: the workspace of the op at the peak (included in `peak_bytes`)."""
 
 
+AFTER_REPLAYS = 1 << 30
+"""Order of a node's own step among the steps at its index (the replays it triggers, by depth,
+come first)."""
+
+
+def _end_of_replay(g, r: _Reg) -> int:
+    """A death at the end of region `r`'s replay, as `_Replay.held` encodes it (negative, below
+    -1; node indices are the others): `r`'s span, which no other region of a schedule has."""
+    return -2 - (r.nodes[0] * g.n + r.nodes[-1])
+
+
 @dataclass
 class _Reg:
     nodes: list[int]
@@ -135,6 +158,10 @@ class _Reg:
     """Those of `buffers` its checkpoint copies as it starts, for the replay to start from."""
     random: bool = False
     """Whether a node in its span draws random numbers (its replay restores the RNG state)."""
+    idle: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    """Regions nested in it, with no kept region between, that never replay and are left out
+    (`_resolve`): (first node, last node, tensor arguments) of each call, which still runs in
+    its replay."""
     stages: tuple[list[int], list[int]] | None = None
     """For a run of a traced call's stages: the first and last node of each of the call's
     stages (its replay runs the generated code, `_traced_calls`)."""
@@ -219,12 +246,17 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
                       stages=(traced[0][2], traced[0][3]) if traced else None)
     # A region that never replays (none of its saved tensors is read in backward) is left out,
     # its nodes belonging to its parent; leaving one out can change its parent, so repeat.
+    # Its checkpoint still runs in its parent's replay, saving its tensor arguments to the
+    # parent's frame as it starts: the parent's replay stops there at the earliest.
     keep = [k for _, _, k in spans]
+    left: list[tuple[int, tuple[int, int, tuple[int, ...]]]] = []  # those left out: `_Reg.idle`
     while True:
-        out = _forest(g, stop, [raw[k] for k in keep], keep, parent_of)
+        out = _forest(g, stop, [raw[k] for k in keep], keep, parent_of, left)
         idle = {keep[n] for n, r in enumerate(out) if r.trigger < 0}
         if not idle:
             return out
+        left += [(k, (raw[k].nodes[0], raw[k].nodes[-1],
+                      tuple(sorted(raw[k].inputs - set(raw[k].holds))))) for k in idle]
         keep = [k for k in keep if k not in idle]
 
 
@@ -237,19 +269,33 @@ def _fresh(r: _Reg) -> _Reg:
     return c
 
 
-def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int]
-            ) -> list[_Reg]:
+def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int],
+            left: list[tuple[int, tuple[int, int, tuple[int, ...]]]] = ()) -> list[_Reg]:
     """Link `regs` (in span order, outer first; `keys` their schedule indices) into a forest and
-    compute each region's own nodes, early stop, trigger and backward end, children first."""
+    compute each region's own nodes, early stop, trigger and backward end, children first.
+    `left`: (schedule index, `_Reg.idle` entry) of the regions left out (`_resolve`): a call
+    with tensor arguments bounds its nearest kept ancestor's early stop."""
     at = {k: n for n, k in enumerate(keys)}
     out = [_fresh(r) for r in regs]
-    for n, k in enumerate(keys):
+
+    def kept_parent(k: int) -> int:
         pk = parent_of.get(k, -1)
         while pk >= 0 and pk not in at:  # an ancestor left out: the next one up
             pk = parent_of.get(pk, -1)
-        if pk >= 0:
-            out[n].parent = at[pk]
-            out[at[pk]].children.append(n)
+        return at[pk] if pk >= 0 else -1
+
+    for n, k in enumerate(keys):
+        pn = kept_parent(k)
+        if pn >= 0:
+            out[n].parent = pn
+            out[pn].children.append(n)
+    idle_calls: dict[int, list[int]] = {}  # kept region -> first nodes of calls left out in it
+    for k, call in left:
+        pn = kept_parent(k)
+        if pn >= 0:
+            out[pn].idle += (call,)
+            if call[2]:
+                idle_calls.setdefault(pn, []).append(call[0])
     for r in out:
         r.depth = 0 if r.parent < 0 else out[r.parent].depth + 1
         if (r.children or r.parent >= 0) and r.saved:
@@ -259,7 +305,8 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
         inner = {i for c in r.children for i in out[c].nodes}
         r.own = [i for i in r.nodes if i not in inner]
         savers = [i for i in r.own if g.saves[i]]
-        if not r.children:
+        calls = [out[c].nodes[0] for c in r.children] + idle_calls.get(n, [])
+        if not calls:
             # The replay runs the region's ops up to the early stop (`solvers.chain.early_stops`);
             # a stop before the region's first node replays nothing.
             e = stop[g.fwd_pos[r.nodes[-1]]] if savers else -1
@@ -269,7 +316,7 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
             # parent's replay stops at its last own saver (inside it, as for a flat region) or at
             # the start of its last child, before the child's ops.
             last_own = max(savers, default=-1)
-            last_child = max(out[c].nodes[0] for c in r.children)
+            last_child = max(calls)
             if last_child > last_own:
                 r.early_stop = last_child - 1
             else:
@@ -334,28 +381,32 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         reached through an object, a cache) its replay reads as the originals."""
         return regs[c].inputs - set(regs[c].holds)
 
-    def keep_for(s: int, c: int) -> int:
+    def keep_for(s: int, c: int) -> tuple[tuple[int, int], int]:
         """How long the copy of storage `s`, an input of region `c` made by its parent's replay,
-        must live: until `c` replays, or until `c`'s own nodes that save it have run backward,
-        or as long as a child of `c` that takes it as input needs it."""
+        must live: until `c`'s replay returns (its checkpoint unpacks its arguments as the
+        replay starts and drops them as it returns, before the replay of a region nested in
+        it that the same backward op triggers), or until `c`'s own nodes that save it have run
+        backward, or as long as a child of `c` that takes it as input needs it. Returns
+        (order, death): `death` as `_Replay.held` encodes it, `order` sorting deaths in time."""
         r = regs[c]
-        t = r.trigger
+        best = ((r.trigger, r.depth), _end_of_replay(g, r)) if r.trigger >= 0 else ((-1, -1), -1)
         for i in r.own:
-            if s in g.saves[i] and i in g.bw_end:
-                t = max(t, g.bw_end[i])
+            if s in g.saves[i] and i in g.bw_end and (g.bw_end[i], AFTER_REPLAYS) > best[0]:
+                best = ((g.bw_end[i], AFTER_REPLAYS), g.bw_end[i])
         for d in r.children:
             if s in handed(d):
-                t = max(t, keep_for(s, d))
-        return t
+                best = max(best, keep_for(s, d), key=lambda x: x[0])
+        return best
 
     sigs: dict[int, tuple] = {}
 
     def sig(k: int) -> tuple:
-        """Region k's span, whether it runs traced code, and, recursively, those of the
-        regions nested in it."""
+        """Region k's span, its early stop (which calls nested in it that never replay can
+        bound), whether it runs traced code, and, recursively, those of the regions nested in
+        it."""
         if k not in sigs:
             r = regs[k]
-            sigs[k] = (r.nodes[0], r.nodes[-1], r.stages is not None,
+            sigs[k] = (r.nodes[0], r.nodes[-1], r.early_stop, r.stages is not None,
                        tuple(sig(c) for c in r.children))
         return sigs[k]
 
@@ -364,16 +415,20 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         (`Region.restores`), which its frame keeps."""
         return sum(g.sbytes[s] for s in regs[k].restores)
 
-    def calls_in(k: int) -> tuple[bool, list[tuple[int, bool, tuple[int, ...], int]]]:
+    def calls_in(k: int) -> tuple[bool, list[tuple]]:
         """Whether region k's replay stashes the CPU RNG state (`fork_rng`), and the regions
         nested in it at any depth, each as (first node, random, storages its frame keeps by
-        reference, `ModuleCall.holds`, bytes of its buffer snapshot): their checkpoint calls
-        run again inside k's replay."""
-        out, todo = [], list(regs[k].children)
+        reference, `ModuleCall.holds`, bytes of its buffer snapshot, last node, its tensor
+        arguments): their checkpoint calls run again inside k's replay, those left out
+        (`_Reg.idle`) too."""
+        out = [(a, False, (), 0, b, args) for a, b, args in regs[k].idle]
+        todo = list(regs[k].children)
         while todo:
             d = todo.pop()
             todo.extend(regs[d].children)
-            out.append((regs[d].nodes[0], regs[d].random, regs[d].holds, snapshot(d)))
+            out.append((regs[d].nodes[0], regs[d].random, regs[d].holds, snapshot(d),
+                        regs[d].nodes[-1], tuple(sorted(handed(d)))))
+            out += [(a, False, (), 0, b, args) for a, b, args in regs[d].idle]
         return regs[k].random, sorted(out)
 
     recompute_ms = 0.0
@@ -407,6 +462,15 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         held.extend(rep.held.items())
         # the replayed ops, and checkpoint's own host cost: per region, per tensor it packs
         recompute_ms += rep.recompute_ms + g.region_ms + g.saved_tensor_ms * rep.packs
+    # Copies that die as a nested region's replay returns (`keep_for`): freed after that
+    # replay's last op, before the next replay at the same node.
+    after_replay: dict[int, list[int]] = {}
+    if any(t < -1 for _, t in held):
+        span_of = {_end_of_replay(g, r): k for k, r in enumerate(regs)}
+        for s, t in held:
+            if t < -1:
+                after_replay.setdefault(span_of[t], []).append(s)
+        held = [(s, t) for s, t in held if t >= -1]
     for at_node in replay_at.values():
         at_node.sort(key=lambda k: regs[k].depth)  # a parent replays before its children
 
@@ -439,7 +503,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
 
     if not timeline:
         return _sweep(g, last, held, replay_at, replay_ops, replay_freed, extra_alloc,
-                      extra_free, recompute_ms)
+                      extra_free, recompute_ms, after_replay)
 
     # 3. Sweep the timeline, op by op (`_sweep` computes the same without the timeline).
     free_orig: dict[int, list[int]] = {}
@@ -482,6 +546,10 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                     if timeline:
                         live.pop(s, None)
             mem -= sum(b for _, b in rep.extra)
+            for s in after_replay.get(k, ()):
+                mem -= sb[s]
+                if timeline and live.get(s):
+                    del live[s]
         for s in g.new[i]:
             mem += sb[s]
             if timeline:
@@ -534,7 +602,8 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
 class _Replay:
     """What one region's replay runs: (op, storages it allocates, storages freed after it;
     listed for the timeline sweep only), the replay copies kept for backward (storage -> node
-    index they die at), the replayed ops' time, and the same ops as arrays for `_sweep` (bytes
+    index they die at, or the end of a nested region's replay: `_end_of_replay`), the replayed
+    ops' time, and the same ops as arrays for `_sweep` (bytes
     allocated, freed, workspace, op)."""
 
     ops: list[tuple[int, list[int], list[int]]]
@@ -549,7 +618,7 @@ class _Replay:
 
 def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int] | None,
             replay_freed: set[int] | None,
-            calls: tuple[bool, list[tuple[int, bool, tuple[int, ...], int]]] = (False, []),
+            calls: tuple[bool, list[tuple]] = (False, []),
             with_ops: bool = True) -> _Replay:
     """The replay of region `r`. A selective region (saved nodes) also updates `last` and
     `replay_freed` for its cached outputs; a region with children keeps each child's inputs
@@ -562,7 +631,8 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     and its buffer snapshot (`Region.restores`), and, for a random region, a copy of the CPU RNG
     state, as `fork_rng` keeps one for the whole
     replay of a random region. A nested call starting right after the early stop stashes its copy and
-    unwinds at once.
+    unwinds at once. The call keeps its tensor arguments until it returns (or the early stop
+    unwinds it), past their last reader.
 
     `with_ops`: also list the replayed ops one by one (`_Replay.ops`, for the timeline sweep);
     `_sweep` reads the arrays only.
@@ -574,9 +644,12 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                 hold[s] = max(hold.get(s, -1), g.bw_end[i])
     if nested is not None:
         handed, keep_for = nested
+        order = {s: (t, AFTER_REPLAYS) for s, t in hold.items()}
         for c in r.children:  # a child's inputs made here: kept until the child has them
             for s in handed(c) & r.produced:
-                hold[s] = max(hold.get(s, -1), keep_for(s, c))
+                key, death = keep_for(s, c)
+                if key > order.get(s, (-1, -1)):
+                    order[s], hold[s] = key, death
     ran = [i for i in r.nodes if i <= r.early_stop]
     read_pos: dict[int, int] = {}
     for pos, i in enumerate(ran):
@@ -588,11 +661,15 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     extra: list[tuple[int, int]] = []  # (position, bytes): RNG states, freed as the replay ends
     if ran and rng and random:
         extra.append((0, rng))
-    for first, rand, kw, snap in nested_calls:
+    for first, rand, kw, snap, end, args in nested_calls:
         if ran and first <= r.early_stop:
             for s in kw:  # bound in the new frame's function until the replay returns
                 if s in r.produced:
                     read_pos[s] = len(ran) - 1
+            returns = bisect.bisect_right(ran, end) - 1
+            for s in args:  # held by the call (checkpoint's own frames) until it returns
+                if s in r.produced and returns > read_pos.get(s, -1):
+                    read_pos[s] = returns
         if ran and rand and rng and first <= r.early_stop + 1:
             extra.append((min(bisect.bisect_left(ran, first), len(ran) - 1), rng))
         if ran and snap and first <= r.early_stop + 1:
@@ -797,13 +874,25 @@ def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int
             inside[g.name_to_i[r.start]:g.name_to_i[r.end] + 1] = True
         out = ~inside[a.dead_save_node]
         np.maximum.at(last, a.dead_save_storage[out], a.dead_save_end[out])
-    return last.tolist()
+    # A region's call keeps its tensor arguments until it returns (checkpoint's frames hold
+    # them), past their last reader: a run of traced stages or of a Sequential's children is
+    # a call the model's own code does not make.
+    out = last.tolist()
+    for r in regions:
+        span = g.spans.get((g.name_to_i[r.start], g.name_to_i[r.end]))
+        if span is None or not span[0]:
+            continue
+        end = span[0][-1]
+        for s in span[2]:
+            if out[s] < end and s not in g.fixed_storages:
+                out[s] = end
+    return out
 
 
 def _sweep(g, last: list[int], held: list[tuple[int, int]], replay_at: dict[int, list[int]],
            replay_ops: dict[int, _Replay],
            replay_freed: set[int], extra_alloc: dict[int, int], extra_free: dict[int, int],
-           recompute_ms: float) -> Simulation:
+           recompute_ms: float, after_replay: dict[int, list[int]]) -> Simulation:
     """The peak of the step as `_simulate`'s op-by-op sweep finds it, with arrays: every step
     (a replayed op, or an op of the step) allocates, is checked against the peak with its
     workspace, then frees."""
@@ -841,6 +930,11 @@ def _sweep(g, last: list[int], held: list[tuple[int, int]], replay_at: dict[int,
             parts_free.append(rf)
             parts_ws.append(rw)
             parts_id.append(ri)
+            if k in after_replay:  # a step that only frees: never above the step before it
+                parts_plus.append(np.zeros(1, np.int64))
+                parts_free.append(np.array([int(sb[after_replay[k]].sum())], np.int64))
+                parts_ws.append(np.zeros(1, np.int64))
+                parts_id.append(np.array([-1 - t], np.int64))
         prev = t
     parts_plus.append(plus[prev:])
     parts_free.append(frees[prev:])
