@@ -1662,6 +1662,14 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
             r.grad_of = shift(r.grad_of)
     for seq, sid in rec.packs:
         f = rec.seq_owner.get(seq)
+        if f is not None and rec.ops[f].op == "aten.clone.default" and rec.owner.get(sid) == f:
+            # The original an in-place op overwrites, which its backward needs (``w /= s``
+            # with `s` requiring grad saves a clone of `w`): autograd clones it after making
+            # the op's node, so the clone's own node number is current when the copy is saved;
+            # the op's node (the number before) saves it and holds it until its backward.
+            g = rec.seq_owner.get(seq - 1)
+            if g is not None and g > f and rec.ops[g].writes:
+                f = g
         if f is not None:
             rec.ops[f].saves.add(sid)
     last = len(ops) - 1

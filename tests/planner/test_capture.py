@@ -37,7 +37,7 @@ from solvers.errors import CkptPlannerError
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
 from tests.models import TINY, hf_gpt2, hf_llama, mlp_dropout
-from tests.zoo import loss_and_grads
+from tests.zoo import CASES, loss_and_grads
 
 NAMES = list(TINY)
 MATMUL_OPS = (
@@ -950,7 +950,6 @@ def test_estimate_mode_reads_the_values_of_masks_and_ids_as_a_real_step_does(nam
     padding?) and skips the (seq x seq) mask when it may; on a tensor it cannot read it builds
     the mask. Estimate mode knows those values (they come from the example inputs, not from the
     weights), so it records the step a real one runs: the same ops, storages and saves."""
-    from tests.zoo import CASES
 
     case = CASES[name]()
     measured = profile(case.model, case.inputs, loss_fn=case.loss_fn, repeats=1)
@@ -1020,7 +1019,6 @@ def test_estimate_mode_runs_moe_routing_through_grouped_mm_in_bfloat16():
     """Mixtral's experts run as one grouped matrix multiply: token routing changes the offsets'
     values, not any shape, so estimate mode records the step a real one runs (bfloat16: torch's
     fake grouped_mm takes nothing else, which the error for float32 says)."""
-    from tests.zoo import CASES
 
     case = CASES["mixtral"]()
     with pytest.raises(ModelRunError, match=r"grouped_mm .* takes bfloat16 only"):
@@ -1215,7 +1213,6 @@ def test_estimate_for_gpu_fuses_attention_with_dropout():
 def test_estimate_for_gpu_fuses_grouped_query_attention_with_dropout():
     """Llama with 2 key/value heads for 4 query heads and attention dropout: a GPU's fused kernel
     takes the keys and values as they are (no repeat_kv copies, no probabilities kept)."""
-    from tests.zoo import CASES
 
     case = CASES["llama"]()
     cfg = case.model.config
@@ -1577,10 +1574,32 @@ def test_an_in_place_op_owns_the_node_it_made_before_its_clone_of_the_original()
     x = torch.randn(4, 64, 64)
     prof = profile(model, x, repeats=1)
     div = next(i for i, n in enumerate(prof.nodes) if n.op == "aten.div_.Tensor")
+    clone = next(n for n in prof.nodes[:div][::-1] if n.op == "aten.clone.default")
     assert prof.nodes[div].saves
     assert any(n.phase == "backward" and n.grad_of == prof.nodes[div].name for n in prof.nodes)
     sim, measured = _region_peaks(prof, model, x, ("0",))
     assert sim.peak_bytes == measured, (sim.peak_bytes, measured)
+    # the clone is div_'s saved tensor, held until div_'s backward: not the clone's own
+    assert set(clone.new_storages) <= set(prof.nodes[div].saves) and not clone.saves
+
+
+def test_a_replay_keeps_an_in_place_ops_clone_of_the_original_until_its_backward():
+    """Mixtral's router normalises its top-2 weights in place. A region over the whole model
+    replays every layer's router at the first unpack, before the loss's backward, where the
+    step peaks; each replayed clone of the weights lives until its layer's div_ backward. The
+    clone was attributed to the clone op (whose node saves nothing), so the replay freed it at
+    once: predicted 1024 B per layer under the measured peak."""
+    case = CASES["mixtral"]()
+    model, x = case.model, case.inputs
+    prof = profile(model, x, loss_fn=case.loss_fn, repeats=1)
+    whole = next(c for c in candidate_calls(prof) if c.call.module == "" and c.segment is None)
+    regions = bind(prof, (region(prof, whole.a, whole.b),))
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        measured = measure(model, x, case.loss_fn, repeats=1).peak_bytes
+    finally:
+        remove(model)
+    assert abs(simulate(prof, regions).peak_bytes - measured) <= 256
 
 
 class _KVStore(collections.UserDict):
