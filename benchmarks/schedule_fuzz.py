@@ -1,0 +1,124 @@
+"""Schedules near the planner's own, applied and measured against the simulator (the thirteenth
+probe): the search only ever meets schedules the simulator prices, so a rule it gets wrong shows
+where the search goes, not where the tests look.
+
+    HF_HUB_OFFLINE=1 python benchmarks/schedule_fuzz.py                 # every case, 40 each
+    HF_HUB_OFFLINE=1 python benchmarks/schedule_fuzz.py value_branch mixtral -n 150
+
+For each model (the test zoo's cases, `benchmarks/outside_zoo.py`'s, and with ``--sparse``
+`benchmarks/sparse_probe.py`'s, named ``sparse:<its name>``), `plan(model, None)`
+gives the smallest-peak schedule; each trial drops 0 to 3 of its regions and adds 1 to 4
+random candidate regions (module calls, runs of a Sequential's children or of a traced
+forward's stages) that nest in or are disjoint from the others, applies the schedule in place,
+measures one step's peak with `torch.profiler` memory events and compares it with `simulate`.
+Modules called more than once are left out (their calls are regions only all together). A
+difference within 1 KiB counts as equal (the few scalars no profile records). Prints one
+Markdown row per model and, for each schedule beyond that, its regions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import planner  # noqa: E402
+from benchmarks.outside_zoo import CASES as OUTSIDE  # noqa: E402
+from benchmarks.sparse_probe import cases as sparse_cases  # noqa: E402
+from planner.api import region_label  # noqa: E402
+from solvers.chain import bind, candidate_calls, shared_calls  # noqa: E402
+from solvers.errors import CkptPlannerError  # noqa: E402
+from solvers.nested import _fits, _regions, _span_of  # noqa: E402
+from solvers.simulate import simulate  # noqa: E402
+from tests.zoo import CASES as ZOO  # noqa: E402
+
+EQUAL_BYTES = 1024
+
+
+SPARSE = {f"sparse:{name}": build for name, build in sparse_cases()}
+
+
+def _build(name: str):
+    """(model, inputs, loss_fn) of a case."""
+    if name in SPARSE:
+        return SPARSE[name]()
+    case = (ZOO.get(name) or OUTSIDE[name])()
+    return case.model, case.inputs, case.loss_fn
+
+
+def fuzz(name: str, trials: int, seed: int, out: list[str]) -> str:
+    model, inputs, loss_fn = _build(name)
+    t0 = time.perf_counter()
+    try:
+        p = planner.plan(model, None, example_inputs=inputs, loss_fn=loss_fn)
+    except CkptPlannerError as e:
+        return f"| {name} | does not plan: {str(e).splitlines()[0][:100]} | | | | |"
+    prof = p.profile
+    shared = {s.call.module for grp in shared_calls(prof) for s in grp}
+    spans = [s for s in candidate_calls(prof) if s.call.module not in shared]
+    keyed = {(s.a, s.b): s for s in spans}
+    base = [keyed[_span_of(prof, r)] for r in p.schedule.regions if _span_of(prof, r) in keyed]
+    rng = random.Random(seed)
+    diffs: list[int] = []
+    for _ in range(trials):
+        chosen = list(base)
+        for _ in range(rng.randint(0, 3)):
+            if chosen:
+                chosen.pop(rng.randrange(len(chosen)))
+        want = len(chosen) + rng.randint(1, 4)
+        for s in rng.sample(spans, len(spans)):
+            if len(chosen) >= want:
+                break
+            if _fits(s, chosen):
+                chosen.append(s)
+        regions = bind(prof, _regions(prof, chosen))
+        planner.remove(model)
+        planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
+        d = simulate(prof, regions).peak_bytes - p.measure(repeats=1).peak_bytes
+        diffs.append(d)
+        if abs(d) > EQUAL_BYTES:
+            out.append(f"- {name}: predicted - measured {d:+d} B: "
+                       + ", ".join(region_label(r) for r in regions))
+    planner.remove(model)
+    off = [d for d in diffs if abs(d) > EQUAL_BYTES]
+    under = [d for d in off if d < 0]
+    return (f"| {name} | {len(diffs)} | {len(off)} | {len(under)} | "
+            f"{min(under, default=0):+d} | {max((d for d in off if d > 0), default=0):+d} | "
+            f"{time.perf_counter() - t0:.0f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="cases (default: the zoo's and outside_zoo's)")
+    ap.add_argument("-n", "--trials", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--sparse", action="store_true", help="add sparse_probe.py's models")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    known = [*ZOO, *OUTSIDE, *SPARSE]
+    names = args.names or [*ZOO, *OUTSIDE, *(SPARSE if args.sparse else ())]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; known: {known}")
+    print(f"| model | schedules | differ by > {EQUAL_BYTES} B | under | worst under B | "
+          "worst over B | s |")
+    print("|---|---|---|---|---|---|---|")
+    details: list[str] = []
+    for name in names:
+        print(fuzz(name, args.trials, args.seed, details), flush=True)
+    if details:
+        print()
+        print("\n".join(details))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
