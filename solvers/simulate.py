@@ -401,12 +401,12 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     sigs: dict[int, tuple] = {}
 
     def sig(k: int) -> tuple:
-        """Region k's span, its early stop (which calls nested in it that never replay can
-        bound), whether it runs traced code, and, recursively, those of the regions nested in
-        it."""
+        """Region k's span, its early stop, the calls nested in it that never replay (which
+        can move the early stop and hold their arguments in its replay), whether it runs
+        traced code, and, recursively, those of the regions nested in it."""
         if k not in sigs:
             r = regs[k]
-            sigs[k] = (r.nodes[0], r.nodes[-1], r.early_stop, r.stages is not None,
+            sigs[k] = (r.nodes[0], r.nodes[-1], r.early_stop, r.idle, r.stages is not None,
                        tuple(sig(c) for c in r.children))
         return sigs[k]
 
