@@ -1588,7 +1588,7 @@ def test_a_replay_keeps_an_in_place_ops_clone_of_the_original_until_its_backward
     replays every layer's router at the first unpack, before the loss's backward, where the
     step peaks; each replayed clone of the weights lives until its layer's div_ backward. The
     clone was attributed to the clone op (whose node saves nothing), so the replay freed it at
-    once: predicted 1024 B per layer under the measured peak."""
+    once: predicted under the measured peak by one clone per layer."""
     case = CASES["mixtral"]()
     model, x = case.model, case.inputs
     prof = profile(model, x, loss_fn=case.loss_fn, repeats=1)

@@ -179,7 +179,7 @@ def test_a_nested_call_in_a_replay_keeps_its_arguments_until_it_returns():
     replays run the nested calls again, and each call keeps its tensor arguments (the gathered
     endpoint features, their concatenation) until it returns, past their last reader: checkpoint
     holds them. The prediction freed them after their last reader: the planner picked this
-    plan, predicted 17% under its measured peak."""
+    plan, predicted under its measured peak by those arguments."""
     model, inputs, loss_fn = _gnn("sparse_attention")
     prof = planner.profile(model, inputs, loss_fn=loss_fn, repeats=1)
     spans = {(s.call.module, s.segment): s for s in candidate_calls(prof) if s.staged}
