@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 import planner  # noqa: E402
 from benchmarks.outside_zoo import CASES as OUTSIDE  # noqa: E402
 from benchmarks.sparse_probe import cases as sparse_cases  # noqa: E402
@@ -54,13 +56,13 @@ def _build(name: str):
     return case.model, case.inputs, case.loss_fn
 
 
-def fuzz(name: str, trials: int, seed: int, out: list[str]) -> str:
+def fuzz(name: str, trials: int, seed: int, out: list[str], autocast=None) -> str:
     model, inputs, loss_fn = _build(name)
     t0 = time.perf_counter()
     try:
-        p = planner.plan(model, None, example_inputs=inputs, loss_fn=loss_fn)
+        p = planner.plan(model, None, example_inputs=inputs, loss_fn=loss_fn, autocast=autocast)
     except CkptPlannerError as e:
-        return f"| {name} | does not plan: {str(e).splitlines()[0][:100]} | | | | |"
+        return f"| {name} | does not plan: {str(e).splitlines()[0][:100]} | | | | | | |"
     prof = p.profile
     shared = {s.call.module for grp in shared_calls(prof) for s in grp}
     spans = [s for s in candidate_calls(prof) if s.call.module not in shared]
@@ -68,6 +70,7 @@ def fuzz(name: str, trials: int, seed: int, out: list[str]) -> str:
     base = [keyed[_span_of(prof, r)] for r in p.schedule.regions if _span_of(prof, r) in keyed]
     rng = random.Random(seed)
     diffs: list[int] = []
+    failed: list[str] = []
     for _ in range(trials):
         chosen = list(base)
         for _ in range(rng.randint(0, 3)):
@@ -81,16 +84,22 @@ def fuzz(name: str, trials: int, seed: int, out: list[str]) -> str:
                 chosen.append(s)
         regions = bind(prof, _regions(prof, chosen))
         planner.remove(model)
-        planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
-        d = simulate(prof, regions).peak_bytes - p.measure(repeats=1).peak_bytes
+        try:
+            planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
+            d = simulate(prof, regions).peak_bytes - p.measure(repeats=1).peak_bytes
+        except Exception as e:  # noqa: BLE001 - a schedule that does not run is a finding
+            failed.append(f"- {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}: "
+                          + ", ".join(region_label(r) for r in regions))
+            continue
         diffs.append(d)
         if abs(d) > EQUAL_BYTES:
             out.append(f"- {name}: predicted - measured {d:+d} B: "
                        + ", ".join(region_label(r) for r in regions))
     planner.remove(model)
+    out.extend(failed)
     off = [d for d in diffs if abs(d) > EQUAL_BYTES]
     under = [d for d in off if d < 0]
-    return (f"| {name} | {len(diffs)} | {len(off)} | {len(under)} | "
+    return (f"| {name} | {len(diffs)} | {len(failed)} | {len(off)} | {len(under)} | "
             f"{min(under, default=0):+d} | {max((d for d in off if d > 0), default=0):+d} | "
             f"{time.perf_counter() - t0:.0f} |")
 
@@ -101,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--trials", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--sparse", action="store_true", help="add sparse_probe.py's models")
+    ap.add_argument("--autocast", choices=("bf16", "fp16"),
+                    help="plan and measure forward and loss under torch.autocast")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     known = [*ZOO, *OUTSIDE, *SPARSE]
@@ -108,12 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in known]
     if unknown:
         ap.error(f"unknown cases {unknown}; known: {known}")
-    print(f"| model | schedules | differ by > {EQUAL_BYTES} B | under | worst under B | "
-          "worst over B | s |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| model | schedules measured | failed to run | differ by > {EQUAL_BYTES} B | "
+          "under | worst under B | worst over B | s |")
+    print("|---|---|---|---|---|---|---|---|")
     details: list[str] = []
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
     for name in names:
-        print(fuzz(name, args.trials, args.seed, details), flush=True)
+        print(fuzz(name, args.trials, args.seed, details, autocast=autocast), flush=True)
     if details:
         print()
         print("\n".join(details))

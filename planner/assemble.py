@@ -228,10 +228,10 @@ def _writes(rec: Recording) -> tuple[dict[int, int], list[tuple[int, int]]]:
 
 
 def _stage_fields(rec: Recording, st: Staged, names: list[str], made_at: dict[int, int],
-                  writes: list[tuple[int, int]]) -> dict:
-    """The `ModuleCall` stage fields of a staged call: stage spans as node names, and how far a
+                  writes: list[tuple[int, int]], fixed: set[int]) -> dict:
+    """The `ModuleCall` stage fields of a staged call: stage spans as node names, how far a
     region starting at each stage may reach before one of `writes` (`_writes`) to a tensor made
-    before its start."""
+    before its start, and the call's tensor arguments each stage reads (not `fixed` ones)."""
     starts, stop = list(st.ops[:-1]), st.ops[-1]
     lasts = [nxt - 1 for nxt in (*starts[1:], stop)]
     inside = [(i, s) for i, s in writes if starts[0] <= i < stop]
@@ -244,7 +244,8 @@ def _stage_fields(rec: Recording, st: Staged, names: list[str], made_at: dict[in
         limits.append(lim)
     return dict(staged=json.dumps({"pattern": st.pattern, "fingerprint": st.fingerprint}),
                 stages=tuple(names[i] for i in starts), stage_last=tuple(names[i] for i in lasts),
-                stage_nodes=tuple(st.nodes), stage_limits=tuple(limits))
+                stage_nodes=tuple(st.nodes), stage_limits=tuple(limits),
+                stage_args=tuple(tuple(x for x in a if x not in fixed) for a in st.arguments))
 
 
 def to_profile(
@@ -310,7 +311,7 @@ def to_profile(
             restores=rs,
             holds=tuple(sorted((c.holds | (c.args - _read_by(rec, c))) - fixed)),
             children=tuple(rec.sequential.get(c.module, ())),
-            **(_stage_fields(rec, st, names, made_at, writes) if st is not None else {}),
+            **(_stage_fields(rec, st, names, made_at, writes, fixed) if st is not None else {}),
         ))
     meta = ProfileMeta(
         model_class=model_class,

@@ -754,6 +754,8 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
                 others.append(r)
         else:
             targets[r.module] = (module, [r])
+    # Every wrapper is made before any is set: a schedule that cannot be applied (a region
+    # that does not trace as planned) leaves the model as it was.
     wrapped: dict[str, CheckpointedForward | SegmentedForward | StagedForward] = {}
     for path, (module, regions) in targets.items():
         previous = module.__dict__.get("forward")
@@ -776,6 +778,9 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
                 buffers=tuple(sorted({b for x in regions for b in x.buffers})),
                 restores=tuple(sorted({b for x in regions for b in x.restores})))
             wrapper = CheckpointedForward(module, r, model, previous)
+        wrapped[path] = wrapper
+    for path, wrapper in wrapped.items():
+        module = targets[path][0]
         # A submodule gets the wrapper's bound `__call__`: dynamo guards a forward set on an
         # instance by the code of a method's function, by identity otherwise, so with the
         # object itself every block compiled per block (`block.compile()`) would compile a
@@ -783,7 +788,6 @@ def apply_schedule(model: torch.nn.Module, schedule: Schedule) -> torch.nn.Modul
         # under fullgraph=True. The root keeps the object, whose `__wrapped__` shows the
         # model's signature (HF's Trainer reads it).
         module.__dict__["forward"] = wrapper if module is model else wrapper.__call__
-        wrapped[path] = wrapper
     plan = AppliedPlan(schedule=schedule, wrapped=wrapped)
     largest = max(model.parameters(), key=lambda p: p.numel(), default=None)
     if largest is not None:

@@ -9,11 +9,15 @@ a planned module runs the traced code as generated Python (`StagedGraph.program`
 `torch.compile` traces like any code), each run under checkpoint with the values it reads as
 arguments and the values later nodes read as results.
 
-Tracing only succeeds for code without branches on tensors, iteration over tensors or `**kwargs`
-it cannot bind; where it fails the module simply has no stages. What tracing fixes at trace time
-is made explicit and checked at every call (`Pattern`): which arguments are tensors, the values
-of the others, and the module's training flag. A call that differs runs the module's own
-`forward` (correct, without the inner regions). The recorded step always runs the model's own
+Tracing only succeeds for code without branches on tensors or iteration over tensors; where it
+fails the module simply has no stages. What tracing fixes at trace time is made explicit and
+checked at every call (`Pattern`): which arguments are tensors, the values of the others (the
+elements of a tuple, the keyword arguments a ``**kwargs`` parameter takes), and the module's
+training flag. A call that differs runs the module's own `forward` (correct, without the inner
+regions). A forward with ``**kwargs``, a tuple argument or a decorator that leaves it as it is
+(every Hugging Face decoder layer of transformers 5 has all three) is traced through a wrapper
+that takes one parameter per tensor or value the call passes and calls the forward as the call
+did (`_slots`). The recorded step always runs the model's own
 code; the stages are found by a second, light run through the interpreter whose op sequence
 must equal the recorded one (`planner.capture.record`), so a trace that does not reproduce the
 model's ops gives no stages.
@@ -25,6 +29,7 @@ import functools
 import hashlib
 import inspect
 import json
+import keyword
 import operator
 import random
 import sys
@@ -47,9 +52,30 @@ def stageable(module: torch.nn.Module) -> bool:
     fwd = type(module).forward
     # `__module__` is None for code run by exec() without a `__name__`
     return (not (getattr(fwd, "__module__", None) or "").startswith("torch.")
-            and not hasattr(fwd, "__wrapped__")  # a decorator (no_grad, autocast) tracing skips
+            # a decorator (no_grad, autocast) changes what runs in ways tracing does not see;
+            # one that only renames keyword arguments is traced through
+            and (not hasattr(fwd, "__wrapped__") or _transparent(fwd))
+            # a forward that checkpoints itself in Python (HF's gradient checkpointing, on)
+            and getattr(module, "gradient_checkpointing", False) is not True
             and "forward" not in module.__dict__
             and not isinstance(module, torch.nn.Sequential))
+
+
+_TRANSPARENT_DECORATORS = frozenset({"transformers.utils.deprecation",
+                                     "transformers.modeling_layers"})
+"""Modules whose decorators run the forward as it is: transformers' `deprecate_kwarg` renames
+keyword arguments, and `GradientCheckpointingLayer` wraps every Hugging Face decoder layer's
+forward in one that checkpoints it while the layer's `gradient_checkpointing` is on (then the
+module is not staged) and else calls it."""
+
+
+def _transparent(fwd: Callable[..., Any]) -> bool:
+    while hasattr(fwd, "__wrapped__"):
+        # `functools.wraps` copies `__module__`; the wrapper's globals are its own module's
+        if getattr(fwd, "__globals__", {}).get("__name__") not in _TRANSPARENT_DECORATORS:
+            return False
+        fwd = fwd.__wrapped__
+    return True
 
 
 @dataclass(frozen=True)
@@ -58,6 +84,9 @@ class Pattern:
     (JSON) value, and the module's training flag."""
 
     args: tuple[tuple[str, Any], ...]
+    """(parameter, value): ``<tensor>``, a JSON scalar, for a tuple ``("<tuple>", value, ...)``
+    and for the keyword arguments a ``**kwargs`` parameter takes
+    ``("<kwargs>", (name, value), ...)`` (only where some are passed)."""
     training: bool
 
     def to_json(self) -> str:
@@ -67,7 +96,12 @@ class Pattern:
     @classmethod
     def from_json(cls, s: str) -> Pattern:
         d = json.loads(s)
-        return cls(tuple((k, v) for k, v in d["args"]), bool(d["training"]))
+        return cls(tuple((k, _frozen(v)) for k, v in d["args"]), bool(d["training"]))
+
+
+def _frozen(v: Any) -> Any:
+    """JSON arrays back to the tuples `call_pattern` makes."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
 
 
 def _signature(module: torch.nn.Module) -> inspect.Signature | None:
@@ -77,15 +111,31 @@ def _signature(module: torch.nn.Module) -> inspect.Signature | None:
 @functools.cache
 def _forward_signature(forward: Callable[..., Any]) -> inspect.Signature | None:
     """The parameters of a class's `forward` without `self` (computed once per function: every
-    call of a planned module checks its arguments against them); None with `*args`/`**kwargs`."""
+    call of a planned module checks its arguments against them; a decorator's wrapper is seen
+    through); None with `*args`. A ``**kwargs`` parameter stays: what a call passes through it
+    is part of the call's `Pattern`."""
     try:
         sig = inspect.signature(forward)
     except (TypeError, ValueError):
         return None
     params = list(sig.parameters.values())[1:]  # drop self
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
         return None
     return sig.replace(parameters=params)
+
+
+def _marker(v: Any) -> Any:
+    """A value's entry in a `Pattern` (tensors as ``<tensor>``), or `_NO` where a call with it
+    cannot be staged."""
+    if isinstance(v, torch.Tensor):
+        return _TENSOR
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    return _NO
+
+
+_NO = object()
+_TUPLE, _KWARGS = "<tuple>", "<kwargs>"
 
 
 def call_pattern(module: torch.nn.Module, args: tuple, kwargs: dict,
@@ -100,14 +150,24 @@ def call_pattern(module: torch.nn.Module, args: tuple, kwargs: dict,
         bound = sig.bind(*args, **kwargs)
     except TypeError:
         return None
-    out = []
+    out: list[tuple[str, Any]] = []
     for name, v in bound.arguments.items():
-        if isinstance(v, torch.Tensor):
-            out.append((name, _TENSOR))
-        elif v is None or isinstance(v, bool | int | float | str):
-            out.append((name, v))
+        kind = sig.parameters[name].kind
+        if kind == inspect.Parameter.VAR_KEYWORD:
+            # what the forward passes on (an HF layer's **kwargs to its attention)
+            entry: Any = (_KWARGS, *((k, _marker(x)) for k, x in v.items()))
+            if any(m is _NO for _, m in entry[1:]):
+                return None
+        elif type(v) is tuple:
+            # (cos, sin): the rotary embeddings HF models pass to every layer
+            entry = (_TUPLE, *(_marker(x) for x in v))
+            if any(m is _NO for m in entry[1:]):
+                return None
         else:
-            return None
+            entry = _marker(v)
+            if entry is _NO:
+                return None
+        out.append((name, entry))
     return Pattern(tuple(out), bool(module.training))
 
 
@@ -149,10 +209,13 @@ class StagedGraph:
     (to find where each node's ops start), and `program`, the same code as generated Python with
     runs of nodes under a region runner (what a plan runs)."""
 
-    def __init__(self, pattern: Pattern, graph: fx.Graph, signature: inspect.Signature):
+    def __init__(self, pattern: Pattern, graph: fx.Graph, signature: inspect.Signature,
+                 wrapped: bool = False):
         self.pattern = pattern
         self.graph = graph
         self.signature = signature  # of the traced forward, held (not looked up per call)
+        self.wrapped = wrapped
+        """Traced through a wrapper (`_slots`): placeholders are the call's flat arguments."""
         nodes = list(graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.exec = [n for n in nodes if n.op in _EXEC]
@@ -177,10 +240,25 @@ class StagedGraph:
         return call_pattern(module, args, kwargs, self.signature) == self.pattern
 
     def _bind(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[fx.Node, Any]:
+        return dict(zip(self.placeholders, self.values(args, kwargs), strict=True))
+
+    def values(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The placeholders' values for a call that `matches` (or for a mirror of its
+        arguments, `planner.capture.record.ModuleCall.mirror`)."""
         bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = list(bound.arguments.values())
-        return dict(zip(self.placeholders, values, strict=True))
+        if not self.wrapped:
+            bound.apply_defaults()
+            return list(bound.arguments.values())
+        out: list[Any] = []
+        for name, v in self.pattern.args:
+            given = bound.arguments[name]
+            if type(v) is tuple and v[0] == _KWARGS:
+                out.extend(given[k] for k, _ in v[1:])
+            elif type(v) is tuple and v[0] == _TUPLE:
+                out.extend(given)
+            else:
+                out.append(given)
+        return out
 
     def hoisted(self, i: int, j: int) -> list[fx.Node]:
         """Metadata reads (`_is_meta`) among nodes i..j of values made before i: run before the
@@ -245,26 +323,26 @@ class StagedGraph:
         self._emit(g, env, nest(0, len(self.exec) - 1, list(segments)), module)
         g.output(fx.node.map_arg(self.output.args[0], lambda a: env[a]))
         fn = _compile(g, module)
-        sig = self.signature
+        values = self.values
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return fn(*bound.arguments.values())
+            return fn(*values(args, kwargs))
 
         return forward
 
     def _emit(self, g: fx.Graph, env: dict[fx.Node, fx.Node], items: tuple,
-              module: torch.nn.Module) -> None:
-        """Exec nodes of `items` (`nest`'s tree) into `g`, each segment as one call."""
+              module: torch.nn.Module, skip: frozenset[fx.Node] = frozenset()) -> None:
+        """Exec nodes of `items` (`nest`'s tree) into `g`, each segment as one call. `skip`:
+        inside a segment, the nodes hoisted out of it that it does not read (the code around
+        it made them; those it reads are its arguments, in `env`)."""
         for item in items:
             if isinstance(item, int):
-                if self.exec[item] not in env:  # else hoisted out of its segment: an argument
+                if self.exec[item] not in env and self.exec[item] not in skip:
                     env[self.exec[item]] = g.node_copy(self.exec[item], lambda a: env[a])
                 continue
             (i, j, runner), inner = item
             for n in self.hoisted(i, j):
-                if n not in env:
+                if n not in env and n not in skip:
                     env[n] = g.node_copy(n, lambda a: env[a])
             ins, outs = self.io(i, j)
             call = g.call_function(
@@ -278,7 +356,7 @@ class StagedGraph:
         ins, outs = self.io(i, j)
         g = fx.Graph()
         env: dict[fx.Node, fx.Node] = {a: g.placeholder(a.name) for a in ins}
-        self._emit(g, env, inner, module)
+        self._emit(g, env, inner, module, frozenset(self.hoisted(i, j)))
         g.output(tuple(env[o] for o in outs))
         return _compile(g, module)
 
@@ -352,29 +430,42 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
     forward changes the module (sets an attribute, makes a tensor constant, or writes into a
     dict, list or set it holds, as a cache filled on first use does): the traced code would not
     make that change when it runs in place of the forward. The module is put back as it was."""
-    concrete = {k: v for k, v in pattern.args if v != _TENSOR}
     sig = _signature(module)
     if sig is None:
         return None
-    # parameters not passed keep their defaults: trace them as concrete too
-    for name, p in sig.parameters.items():
-        if name not in dict(pattern.args):
-            if p.default is inspect.Parameter.empty:
-                return None
-            if not (p.default is None or isinstance(p.default, bool | int | float | str)):
-                return None
-            concrete[name] = p.default
+    slots = _slots(sig, pattern, type(module).forward)
+    if slots is None:
+        concrete = {k: v for k, v in pattern.args if v != _TENSOR}
+        # parameters not passed keep their defaults: trace them as concrete too
+        for name, p in sig.parameters.items():
+            if name not in dict(pattern.args):
+                if p.default is inspect.Parameter.empty:
+                    return None
+                if not (p.default is None or isinstance(p.default, bool | int | float | str)):
+                    return None
+                concrete[name] = p.default
+        n_placeholders = len(sig.parameters)
+    else:
+        if not slots or slots[0] == ("", None):
+            return None  # arguments no wrapper can take by name
+        concrete = {k: v for k, v in slots if v != _TENSOR}
+        n_placeholders = len(slots)
     saved = dict(module.__dict__)
     held = {k: c for k, c in ((k, _contents(v)) for k, v in saved.items()) if c is not None}
     tracer = _Tracer()
     host_rng = host_rng_state()
+    cls = type(module)
     try:
         module.training = pattern.training  # this module's flag only; children are calls
+        if slots is not None:
+            module.__class__ = _wrapper_class(cls, sig, pattern, [k for k, _ in slots])
         with torch.no_grad():
             graph = tracer.trace(module, concrete_args=concrete or None)
     except Exception:  # noqa: BLE001 - any failure of symbolic tracing means "no stages"
         return None
     finally:
+        if type(module) is not cls:
+            module.__class__ = cls
         added = set(module.__dict__) - set(saved)
         for k in added:
             del module.__dict__[k]
@@ -386,14 +477,66 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
         # `drew`: the forward drew from Python's `random` or numpy's RNG (stochastic depth
         # written in Python): a trace would fix one draw's branches for every call
         return None
-    if sum(1 for n in graph.nodes if n.op == "placeholder") != len(sig.parameters):
+    if sum(1 for n in graph.nodes if n.op == "placeholder") != n_placeholders:
         return None  # the trace flattened an argument: calls could not be bound to it
     for n in graph.nodes:
         if n.op == "get_attr" and _resolves(module, n.target) is None:
             return None
         if n.op == "call_function" and n.target in (operator.setitem,):
             return None  # in-place Python writes into arguments
-    return StagedGraph(pattern, graph, sig)
+    return StagedGraph(pattern, graph, sig, wrapped=slots is not None)
+
+
+def _slots(sig: inspect.Signature, pattern: Pattern, forward: Callable[..., Any]
+           ) -> list[tuple[str, Any]] | None:
+    """Where the forward cannot be traced as it is (a tuple argument, a ``**kwargs``
+    parameter, a decorator that renames arguments), the flat parameters of a wrapper traced in
+    its place: one per argument the call passes, per tensor of a tuple, per keyword argument
+    passed through ``**kwargs``, each (name, ``<tensor>`` or its fixed value); ``[("", None)]``
+    where some name is not a Python identifier. None where the forward is traced as it is."""
+    if (not hasattr(forward, "__wrapped__")
+            and not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+            and not any(type(v) is tuple for _, v in pattern.args)):
+        return None
+    out: list[tuple[str, Any]] = []
+    for name, v in pattern.args:
+        if type(v) is tuple and v[0] == _TUPLE:
+            out.extend((f"{name}_{k}", x) for k, x in enumerate(v[1:]))
+        elif type(v) is tuple and v[0] == _KWARGS:
+            out.extend(v[1:])
+        else:
+            out.append((name, v))
+    names = [k for k, _ in out]
+    if len(set(names)) != len(names) or not all(
+            k.isidentifier() and not keyword.iskeyword(k) and k not in ("self", "_forward")
+            for k in names):
+        return [("", None)]
+    return out
+
+
+def _wrapper_class(cls: type, sig: inspect.Signature, pattern: Pattern, names: list[str]
+                   ) -> type:
+    """A subclass of `cls` whose `forward` takes the flat parameters `names` (`_slots`) and
+    calls `cls.forward` as the call of `pattern` did: what the tracer traces in its place."""
+    it = iter(names)
+    call: list[str] = []
+    for name, v in pattern.args:
+        kind = sig.parameters[name].kind
+        if type(v) is tuple and v[0] == _KWARGS:
+            call.extend(f"{k}={next(it)}" for k, _ in v[1:])
+            continue
+        if type(v) is tuple and v[0] == _TUPLE:
+            value = "(" + "".join(f"{next(it)}, " for _ in v[1:]) + ")"
+        else:
+            value = next(it)
+        call.append(value if kind == inspect.Parameter.POSITIONAL_ONLY else f"{name}={value}")
+    src = (f"def forward(self, {', '.join(names)}):\n"
+           f"    return _forward(self, {', '.join(call)})\n")
+    scope: dict[str, Any] = {"_forward": cls.forward}
+    exec(compile(src, f"<ckpt-planner trace of {cls.__name__}>", "exec"), scope)
+    return type(cls.__name__, (cls,), {"forward": scope["forward"],
+                                      "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__})
 
 
 def _contents(v: Any) -> list | None:

@@ -621,7 +621,7 @@ def module_calls_only(profile: Profile) -> Profile:
     """`profile` without the stages of traced forwards: regions are then module calls and runs of
     `nn.Sequential` children only."""
     calls = tuple(dataclasses.replace(c, staged="", stages=(), stage_last=(), stage_nodes=(),
-                                      stage_limits=()) for c in profile.calls)
+                                      stage_limits=(), stage_args=()) for c in profile.calls)
     return dataclasses.replace(profile, calls=calls)
 
 

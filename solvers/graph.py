@@ -150,6 +150,8 @@ class GraphIndex:
         the traced code for the whole call (`planner.stages`)."""
         self.traced_by_first: dict[int, list[int]] = {}
         """Node -> the `traced_calls` (indices) one of whose stages starts there."""
+        self.stage_args: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
+        """(first node, last node) of a traced call -> `ModuleCall.stage_args`."""
         for c in p.calls:
             if c.stages and c.staged:
                 firsts = [self.name_to_i[x] for x in c.stages]
@@ -158,6 +160,9 @@ class GraphIndex:
                 self.traced_calls.append((
                     self.name_to_i[c.start], self.name_to_i[c.end], firsts,
                     [self.name_to_i[x] for x in c.stage_last]))
+                if c.stage_args:
+                    self.stage_args[(self.name_to_i[c.start], self.name_to_i[c.end])] = \
+                        c.stage_args
         self.buffer_calls: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = []
         """(first node, last node, buffer storages, restored storages) of each call that updates
         buffers in place (`ModuleCall.buffers`): a region over it copies them for its replay

@@ -171,6 +171,10 @@ class ModuleCall:
     stage_limits: tuple[int, ...] = ()
     """For each stage, the last stage a region starting there may reach (an in-place write to a
     tensor made before the region's start ends it; one less than the stage: none)."""
+    stage_args: tuple[tuple[int, ...], ...] = ()
+    """For each stage, the storages of the call's tensor arguments its trace nodes read: a run
+    of stages is passed them (and its checkpoint keeps them) whether its ops read them or not.
+    Empty in profiles recorded before it was kept."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -441,7 +445,7 @@ class Profile:
                     f"{source}: calls[{i}] is not an object with fields {sorted(call_known)}"
                 )
             try:
-                calls.append(ModuleCall(**{k: tuple(v) if isinstance(v, list) else v
+                calls.append(ModuleCall(**{k: _tuples(v) if isinstance(v, list) else v
                                            for k, v in c.items()}))
             except TypeError as e:
                 raise ProfileError(f"{source}: calls[{i}]: {e}") from None
@@ -510,6 +514,11 @@ def cached(profile: Profile, key: str, build: Callable[[Profile], _T]) -> _T:
 
 def _node_index(profile: Profile) -> dict[str, int]:
     return {n.name: i for i, n in enumerate(profile.nodes)}
+
+
+def _tuples(v: list) -> tuple:
+    """A JSON array as a tuple, arrays inside it too (`ModuleCall.stage_args`)."""
+    return tuple(_tuples(x) if isinstance(x, list) else x for x in v)
 
 
 def _is_count(v: object) -> bool:
@@ -661,6 +670,10 @@ def _validate(p: Profile) -> None:
                   and list(c.stage_nodes) == sorted(set(c.stage_nodes))
                   and all(seen[c.start] <= seen[a] <= seen[b] <= seen[c.end]
                           for a, b in zip(c.stages, c.stage_last, strict=True))
-                  and all(i - 1 <= lim < n for i, lim in enumerate(c.stage_limits)))
+                  and all(i - 1 <= lim < n for i, lim in enumerate(c.stage_limits))
+                  and (not c.stage_args or (
+                      len(c.stage_args) == n and all(
+                          isinstance(a, tuple) and all(_is_count(x) and x < n_st for x in a)
+                          for a in c.stage_args))))
             if not ok:
                 raise ProfileError(f"calls[{k}] ({c.module!r}): malformed stages")

@@ -241,6 +241,13 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
             saved.add(j)
         holds = g.call_holds.get((r.start, r.end), ())  # the call this region is, if any
         traced = _traced_calls(g, (r,))
+        if traced and (traced[0][0], traced[0][1]) in g.stage_args:
+            # a run of stages is passed the call's arguments its nodes read, whether its ops
+            # read them or not (an HF layer hands `position_ids` to its attention): its inputs
+            ca, cb, firsts, lasts = traced[0]
+            per_stage = g.stage_args[(ca, cb)]
+            p0, p1 = firsts.index(a), lasts.index(b)
+            inputs = inputs | ({x for k in range(p0, p1 + 1) for x in per_stage[k]} - produced)
         raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs, buffers=buffers,
                       restores=restores, random=random,
                       stages=(traced[0][2], traced[0][3]) if traced else None)

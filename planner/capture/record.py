@@ -259,6 +259,17 @@ class ModuleCall:
     args: frozenset[int] = frozenset()
     """Storages of the tensors the call takes that `planner.inplace` passes to the checkpoint as
     inputs (positional and keyword tensors, the tensors of a plain tuple given by keyword)."""
+    mirror: tuple[tuple, dict] | None = None
+    """The call's (args, kwargs) with each tensor replaced by its storage (`StorageRef`) and
+    every other value by None: where the call is staged, which storage each placeholder of the
+    trace took (`planner.stages.StagedGraph.values`)."""
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    """A tensor's storage id in `ModuleCall.mirror`."""
+
+    sid: int
 
 
 @dataclass(frozen=True)
@@ -272,6 +283,9 @@ class Staged:
     """Exec position of each stage's first node, then the number of exec nodes."""
     ops: tuple[int, ...]
     """Index in `Recording.ops` of each stage's first op, then one past the last stage's op."""
+    arguments: tuple[tuple[int, ...], ...] = ()
+    """For each stage, the storages of the call's tensor arguments its nodes read
+    (`_stage_arguments`)."""
 
 
 @dataclass
@@ -525,7 +539,7 @@ class _Recorder(TorchDispatchMode):
         self.phases: list[str] = []
         self.module_stack: list[str] = []
         self.calls: list[ModuleCall] = []
-        self.call_args: list[tuple[list[int], list[int], list[weakref.ref]]] = []
+        self.call_args: list[tuple[list[int], list[int], list[weakref.ref], Any]] = []
         self.reach_seen: dict[int, frozenset[int]] = {}
         """By the `id` of the weak reference to an object among a call's arguments (one per
         object: `weakref.ref` gives the same one while it lives): the storages it reached as the
@@ -891,7 +905,8 @@ class _Recorder(TorchDispatchMode):
     _device: torch.device | None = None
 
     # -- modules ------------------------------------------------------------------------------
-    def _argument_refs(self, args: Any) -> tuple[list[int], list[int], list[weakref.ref]]:
+    def _argument_refs(self, args: Any
+                       ) -> tuple[list[int], list[int], list[weakref.ref], Any]:
         """What a checkpoint of this call gets (`planner.inplace`): the storages of the tensors
         it takes as inputs (positional tensors, keyword tensors and the tensors of a plain tuple
         given by keyword: a nested checkpoint hands them to its parent), the storages of the
@@ -928,13 +943,15 @@ class _Recorder(TorchDispatchMode):
                         by_reference(x)
             else:
                 by_reference(v)
-        return inputs, held, objs
+        mirror = pytree.tree_map(
+            lambda x: StorageRef(self.sid(x)) if isinstance(x, torch.Tensor) else None, args)
+        return inputs, held, objs, mirror
 
     def resolve_holds(self) -> None:
         """Storages each call's arguments reach now (at the end of forward), or as the last
         call that took them returned, for objects that died since (`reach_seen`)."""
         reach: dict[int, frozenset[int]] = {}
-        for k, (sids, by_ref, objs) in enumerate(self.call_args):
+        for k, (sids, by_ref, objs, mirror) in enumerate(self.call_args):
             held: set[int] = set(by_ref)
             for r in objs:
                 obj = r()
@@ -946,7 +963,8 @@ class _Recorder(TorchDispatchMode):
                     reach[key] = frozenset(self._reachable_storages(obj))
                 held |= reach[key]
             c = self.calls[k]
-            self.calls[k] = ModuleCall(c.module, c.start, c.end, frozenset(held), frozenset(sids))
+            self.calls[k] = ModuleCall(c.module, c.start, c.end, frozenset(held), frozenset(sids),
+                                       mirror)
 
     def _reachable_storages(self, obj: Any, depth: int = 4) -> set[int]:
         out: set[int] = set()
@@ -1685,7 +1703,7 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
     def owner_of(sid: int) -> int:
         return shift(rec.owner[sid])
 
-    calls = [ModuleCall(c.module, c.start + n_ph, c.end + n_ph, c.holds, c.args)
+    calls = [ModuleCall(c.module, c.start + n_ph, c.end + n_ph, c.holds, c.args, c.mirror)
              for c in rec.calls]
     # by first op, the outer of two calls first (also where they span the same ops)
     calls.sort(key=lambda c: (c.start, -c.end, c.module.count(".") + (c.module != "")))
@@ -1880,8 +1898,27 @@ def _find_stages(spec: StepSpec, recording: Recording) -> dict[str, Staged]:
         if len(starts) < 2 or end > c.end + 1:
             continue
         out[name] = Staged(sg.pattern.to_json(), sg.fingerprint, (*nodes, len(sg.exec)),
-                           (*starts, end))
+                           (*starts, end), _stage_arguments(sg, c, (*nodes, len(sg.exec))))
     return out
+
+
+def _stage_arguments(sg: Any, c: ModuleCall, nodes: tuple[int, ...]
+                     ) -> tuple[tuple[int, ...], ...]:
+    """For each stage, the storages of the call's tensor arguments its nodes read (as values,
+    not only their metadata): a run of stages is passed those, whether its ops read them or
+    not (an HF layer hands `position_ids` to its attention, which reads none)."""
+    if c.mirror is None:
+        return ()
+    try:
+        values = sg.values(*c.mirror)
+    except TypeError:
+        return ()
+    ref = dict(zip(sg.placeholders, values, strict=True))
+    out = []
+    for i, j in zip(nodes, nodes[1:], strict=False):
+        ins, _ = sg.io(i, j - 1)
+        out.append(tuple(sorted({ref[a].sid for a in ins if isinstance(ref.get(a), StorageRef)})))
+    return tuple(out)
 
 
 def _time_ops(spec: StepSpec, recording: Recording, repeats: int, sync) -> None:

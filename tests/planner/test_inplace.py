@@ -25,6 +25,7 @@ from planner.capture.record import default_loss
 from planner.inplace import (
     CheckpointedForward,
     SegmentedForward,
+    StagedForward,
     applied,
     apply_schedule,
     wrapper_of,
@@ -115,9 +116,10 @@ def test_plan_returns_the_users_model_and_remove_restores_it():
     p = planner.plan(model, budget_bytes=_half(model, x), example_inputs=x, repeats=1)
     assert p.module is model and type(model) is cls
     assert list(model.state_dict()) == keys
-    assert p.schedule.regions and all(isinstance(wrapper_of(model.get_submodule(r.module)),
-                                                 CheckpointedForward | SegmentedForward)
-                                      for r in p.schedule.regions)
+    assert p.schedule.regions and all(
+        isinstance(wrapper_of(model.get_submodule(r.module)),
+                   CheckpointedForward | SegmentedForward | StagedForward)
+        for r in p.schedule.regions)
     l1, g1 = loss_and_grads(model, x)
     planner.remove(model)
     assert applied(model) is None
