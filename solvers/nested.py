@@ -105,6 +105,10 @@ def _descend(profile: Profile, base: tuple[Region, ...], budget_bytes: int,
     groups = [list(grp) for grp in shared_calls(profile)
               if any(useful(profile, s) for s in grp)]
     shared = shared_modules(profile)
+    runs: dict[str, list[CallSpan]] = defaultdict(list)  # runs of each call's stages/children
+    for s in spans.values():
+        if s.segment is not None:
+            runs[s.call.module].append(s)
     chosen: list[CallSpan] = []
     for r in base:
         span = spans.get(_span_of(profile, r))
@@ -120,16 +124,16 @@ def _descend(profile: Profile, base: tuple[Region, ...], budget_bytes: int,
         if deadline is not None and time.perf_counter() > deadline:
             break
         best = None
-        for move in _moves(chosen, singles, _near(g, profile, at), groups):
+        for drop, add in _moves(chosen, singles, _near(g, profile, at), groups, runs):
             if deadline is not None and time.perf_counter() > deadline:
                 break  # the best move so far, if any
-            sim = simulate(profile, _regions(profile, chosen + move))
+            trial = [c for c in chosen if all(c is not d for d in drop)] + add
+            sim = simulate(profile, _regions(profile, trial))
             score = (sim.peak_bytes, sim.recompute_ms)
             if sim.peak_bytes < peak and (best is None or score < best[0]):
-                best = (score, move)
+                best = (score, trial)
         if best is not None:
-            (peak, ms), move = best
-            chosen += move
+            (peak, ms), chosen = best
         else:
             # Stalled: a region whose replay is what peaks may be better gone (its inputs are
             # kept anyway); drop the one that lowers the peak most, then descend again.
@@ -211,22 +215,63 @@ MAX_SINGLES = 96
 """Single-call moves tried per step at most (the calls nearest the peak's region first)."""
 
 
+Move = tuple[list[CallSpan], list[CallSpan]]
+"""A step of the descent: the chosen spans it drops, the spans it adds."""
+
+
 def _moves(chosen: list[CallSpan], spans: list[CallSpan], near: int,
-           shared: list[list[CallSpan]] = ()) -> list[list[CallSpan]]:
+           shared: list[list[CallSpan]] = (), runs: dict[str, list[CallSpan]] | None = None
+           ) -> list[Move]:
     """Candidate steps: every call of a starred path that fits (the same child of every
     repeated block at once), every call of a module called more than once (`shared`: regions
     only together), then single calls, those whose span is nearest forward position `near`
-    (where the peak's region is) first."""
+    (where the peak's region is) first. A run of a module's stages (or children) cannot sit
+    beside a region of the module's whole call; such a run comes as a split (`_split`): the
+    whole call's region traded for the longest run of the same module around it."""
     groups: dict[tuple, list[CallSpan]] = defaultdict(list)
-    singles = []
+    split_groups: dict[tuple, list[Move]] = defaultdict(list)
+    singles: list[tuple[CallSpan, Move]] = []
     for s in spans:
         if _fits(s, chosen):
             groups[_pattern(s)].append(s)
-            singles.append(s)
-    moves = [g for g in groups.values() if len(g) > 1 and _compatible(g)]
-    moves += [grp for grp in shared if all(_fits(s, chosen) for s in grp)]
-    singles.sort(key=lambda s: 0 if s.a <= near <= s.b else min(abs(s.a - near), abs(s.b - near)))
-    return moves + [[s] for s in singles[:MAX_SINGLES]]
+            singles.append((s, ([], [s])))
+        elif runs is not None:
+            split = _split(s, chosen, runs)
+            if split is not None:
+                split_groups[_pattern(s)].append(split)
+                singles.append((s, split))
+    moves: list[Move] = [([], g) for g in groups.values() if len(g) > 1 and _compatible(g)]
+    moves += [([], grp) for grp in shared if all(_fits(s, chosen) for s in grp)]
+    for splits in split_groups.values():
+        drop = [d for dr, _ in splits for d in dr]
+        add = [a for _, ad in splits for a in ad]
+        if len(splits) > 1 and len({id(d) for d in drop}) == len(drop) and _compatible(add):
+            moves.append((drop, add))
+    singles.sort(key=lambda sm: 0 if sm[0].a <= near <= sm[0].b
+                 else min(abs(sm[0].a - near), abs(sm[0].b - near)))
+    return moves + [m for _, m in singles[:MAX_SINGLES]]
+
+
+def _split(s: CallSpan, chosen: list[CallSpan], runs: dict[str, list[CallSpan]]
+           ) -> Move | None:
+    """Run `s` where only a region of its module's whole call keeps it out: that region traded
+    for the longest run of the same module that holds `s` (`s` itself if none is longer), and
+    `s` nested in it. A whole call and runs of its forward cannot both be regions (one
+    `forward` per module is replaced), and the run around `s` keeps nearly what the whole
+    call kept. None where anything else keeps `s` out."""
+    if s.segment is None:
+        return None
+    whole = [c for c in chosen if c.call.module == s.call.module and c.segment is None]
+    if len(whole) != 1:
+        return None
+    rest = [c for c in chosen if c is not whole[0]]
+    if not _fits(s, rest):
+        return None
+    around = [r for r in runs.get(s.call.module, ()) if r.a <= s.a and s.b <= r.b
+              and r is not s and _fits(r, rest) and _fits(s, rest + [r])]
+    if not around:
+        return [whole[0]], [s]
+    return [whole[0]], [max(around, key=lambda r: (r.b - r.a, -r.a)), s]
 
 
 def _compatible(group: list[CallSpan]) -> bool:

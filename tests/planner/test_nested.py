@@ -64,9 +64,9 @@ def _laminar(prof, rng: random.Random, n: int, staged: bool = False):
     return sorted(chosen, key=lambda s: (s.a, -s.b))
 
 
-def _check(prof, model, x, loss_fn, regions, reference) -> None:
-    """Apply `regions`, train one step and measure it: peak within 2% of the simulator's,
-    gradients equal to the unplanned model's (`reference`)."""
+def _check(prof, model, x, loss_fn, regions, reference, within: int | None = None) -> None:
+    """Apply `regions`, train one step and measure it: peak within 2% of the simulator's (or
+    `within` bytes), gradients equal to the unplanned model's (`reference`)."""
     sched = Schedule(regions=regions)
     predicted = simulate(prof, sched).peak_bytes
     apply_schedule(model, sched)
@@ -75,7 +75,7 @@ def _check(prof, model, x, loss_fn, regions, reference) -> None:
         measured = measure(model, x, loss_fn, repeats=1).peak_bytes
     finally:
         remove(model)
-    assert abs(predicted - measured) <= 0.02 * measured, (
+    assert abs(predicted - measured) <= (0.02 * measured if within is None else within), (
         [(r.module, r.segment) for r in regions], predicted, measured)
     for k in reference:
         torch.testing.assert_close(grads[k], reference[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -109,12 +109,13 @@ def test_random_nested_schedules_match_measured(name):
     assert nested_seen > 0
 
 
-@pytest.mark.parametrize("name", ["gpt_eager", "resnet_bn", "unet"])
+@pytest.mark.parametrize("name", ["gpt_eager", "resnet_bn", "unet", "hf_llama", "hf_gpt2"])
 def test_random_runs_of_traced_forwards_match_measured(name):
     """Regions that start and end inside a module's forward (runs of the nodes of its traced
     forward, `planner.stages`), nested in runs of a parent's forward where more than one module
     traces: the simulator's peak within 2% of measured, gradients equal to the unplanned
-    model's."""
+    model's. Hugging Face decoder layers trace through a wrapper (decorated forward, ``**kwargs``,
+    the rotary embeddings' tuple)."""
     (model, x), loss_fn = build(name), None
     prof = planner.profile(model, x, repeats=1)
     assert any(c.stages for c in prof.calls)
@@ -537,3 +538,33 @@ def test_a_nested_region_that_never_replays_still_bounds_its_parents_replay():
     # its replay is not reused for the schedule with it
     simulate(prof, Schedule(regions=alone))
     _exactly(prof, model, x, loss_fn, with_call, reference, "replay:mul")
+
+
+def test_a_decoder_layer_split_in_two_runs_goes_below_per_block_on_llama():
+    """The benchmark's Llama (`benchmarks/cpu_sizes.py`): with one layer's attention half a run
+    nested in a run of the whole layer, the layer's replay keeps neither the attention's input
+    nor the residual while the MLP's backward runs, and the smallest peak is more than 20% below
+    per-block checkpointing's (issue 13's target). The descent reaches it only by trading a
+    layer's whole-call region for the run of its stages around the attention half
+    (`solvers.nested._split`); measured as predicted, gradients exact."""
+    import solvers.nested as nested_mod
+
+    model, x = hf_llama(batch=8, seq=256, layers=6, hidden=256, heads=8, kv_heads=4,
+                        intermediate=688, vocab=2048)
+    prof = planner.profile(model, x, repeats=1)
+    per_block = simulate(prof, solve(prof, 2**62, "per_block")).peak_bytes
+    target = 0.8 * per_block
+    floor = lowest(prof)
+    assert floor.predicted_peak_bytes <= target, (floor.predicted_peak_bytes, per_block)
+    layers = {r.module for r in floor.regions if r.staged and r.module.startswith("model.layers.")
+              and r.segment is not None}
+    assert len(layers) >= 5
+    without = dataclasses.replace(prof)  # its own caches
+    original = nested_mod._split
+    nested_mod._split = lambda *args: None
+    try:
+        assert lowest(without).predicted_peak_bytes > target
+    finally:
+        nested_mod._split = original
+    reference = _grads(model, x)
+    _check(prof, model, x, None, floor.regions, reference, within=64)

@@ -247,7 +247,10 @@ def test_smallest_peak_does_not_move_with_the_timer():
     """The searches weigh time where plans tie on peak, so the lowest peak they reached moved
     with the measured times: two profiles of one GNN (its attention runs `torch.sparse.softmax`;
     the chain model errs by MBs near its floor), measured in two runs, found smallest peaks far
-    apart, and the per-region host cost, a calibration, moved one as much."""
+    apart (by a third), and the per-region host cost, a calibration, moved one as much. The
+    floor is now no higher than the one the searches find on `by_work`'s times, the same on
+    both runs; a search on one run's measured times can still find a little lower (splitting a
+    layer's whole-call region into runs of its stages does on the first run here)."""
     import dataclasses
 
     from solvers import Profile
@@ -264,5 +267,6 @@ def test_smallest_peak_does_not_move_with_the_timer():
             floors.append(smallest_peak(p))
             # and a budget at the smallest peak reported gets a schedule
             assert solve(p, floors[-1], "auto").feasible
-    assert max(floors) - min(floors) <= 0.01 * min(floors), floors
+    assert max(floors) - min(floors) <= 0.03 * min(floors), floors
+    assert len(set(floors[:3])) == 1 and len(set(floors[3:])) == 1  # the host cost moves none
     assert min(floors) < 0.5 * simulate(runs[0]).peak_bytes
