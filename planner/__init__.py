@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     from planner.comparison import CompareOptions, CompareResult, compare
     from planner.measurement import Measurement, measure
     from planner.profiling import profile
+    from solvers.errors import CkptPlannerError
 
 __all__ = [
+    "CkptPlannerError",
     "CompareOptions",
     "CompareResult",
     "InfeasibleBudgetError",
@@ -58,6 +60,7 @@ _LAZY = {
     "PlanNotEffectiveError": "planner.api",
     "NotReproducibleError": "planner.api",
     "ModelRunError": "planner.capture.record",
+    "CkptPlannerError": "solvers.errors",
     "measure": "planner.measurement",
     "Measurement": "planner.measurement",
     "compare": "planner.comparison",

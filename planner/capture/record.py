@@ -943,9 +943,21 @@ class _Recorder(TorchDispatchMode):
                         by_reference(x)
             else:
                 by_reference(v)
-        mirror = pytree.tree_map(
-            lambda x: StorageRef(self.sid(x)) if isinstance(x, torch.Tensor) else None, args)
-        return inputs, held, objs, mirror
+        return inputs, held, objs, self._mirror(positional, keywords)
+
+    def _mirror(self, positional: tuple, keywords: dict) -> tuple[tuple, dict]:
+        """`ModuleCall.mirror`: tensors as `StorageRef`, plain tuples of them as tuples, every
+        other value None (no object of the model's is rebuilt: a PackedSequence checks what it
+        is made of)."""
+        def ref(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return StorageRef(self.sid(v))
+            if type(v) is tuple:
+                return tuple(StorageRef(self.sid(x)) if isinstance(x, torch.Tensor) else None
+                             for x in v)
+            return None
+
+        return tuple(ref(v) for v in positional), {k: ref(v) for k, v in keywords.items()}
 
     def resolve_holds(self) -> None:
         """Storages each call's arguments reach now (at the end of forward), or as the last
