@@ -530,9 +530,15 @@ def _wrapper_class(cls: type, sig: inspect.Signature, pattern: Pattern, names: l
         else:
             value = next(it)
         call.append(value if kind == inspect.Parameter.POSITIONAL_ONLY else f"{name}={value}")
-    src = (f"def forward(self, {', '.join(names)}):\n"
-           f"    return _forward(self, {', '.join(call)})\n")
-    scope: dict[str, Any] = {"_forward": cls.forward}
+    return _wrapper_type(cls, cls.forward, f"def forward(self, {', '.join(names)}):\n"
+                                           f"    return _forward(self, {', '.join(call)})\n")
+
+
+@functools.cache
+def _wrapper_type(cls: type, forward: Callable[..., Any], src: str) -> type:
+    """One subclass per class, forward and wrapper source: a class's `__init_subclass__` (HF's
+    `GradientCheckpointingLayer` wraps the new `forward`, as it is meant to) runs once for it."""
+    scope: dict[str, Any] = {"_forward": forward}
     exec(compile(src, f"<ckpt-planner trace of {cls.__name__}>", "exec"), scope)
     return type(cls.__name__, (cls,), {"forward": scope["forward"],
                                       "__module__": cls.__module__,
