@@ -16,8 +16,9 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   custom Function's Python backward); in a profile without that record (a graph profile), when
   the formula returns, or at their last use in a Python backward (`Node.python_backward`).
 - A checkpointed region keeps its arguments (the checkpoint frame holds them) until the last of
-  its autograd nodes has run backward: the tensors its ops read from outside, and whatever the
-  call's arguments reach (`ModuleCall.holds`). Tensors its ops would save are not kept, except
+  its autograd nodes has run backward: the tensors its ops read from outside, whatever the
+  call's arguments reach (`ModuleCall.holds`), and for a run of a traced forward's stages the
+  call's tensor arguments its nodes take, read by its ops or not (`ModuleCall.stage_args`). Tensors its ops would save are not kept, except
   the outputs of nodes marked saved (selective checkpointing), which are cached from forward.
   Any region's call, a nested one's too, and one run again inside a parent's replay, keeps its
   tensor arguments until it returns (checkpoint's own frames hold them), or until a replay's
