@@ -446,8 +446,8 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
                 concrete[name] = p.default
         n_placeholders = len(sig.parameters)
     else:
-        if not slots or slots[0] == ("", None):
-            return None  # arguments no wrapper can take by name
+        if not slots:
+            return None  # nothing passed, or arguments no wrapper can take by name
         concrete = {k: v for k, v in slots if v != _TENSOR}
         n_placeholders = len(slots)
     saved = dict(module.__dict__)
@@ -492,8 +492,9 @@ def _slots(sig: inspect.Signature, pattern: Pattern, forward: Callable[..., Any]
     """Where the forward cannot be traced as it is (a tuple argument, a ``**kwargs``
     parameter, a decorator that renames arguments), the flat parameters of a wrapper traced in
     its place: one per argument the call passes, per tensor of a tuple, per keyword argument
-    passed through ``**kwargs``, each (name, ``<tensor>`` or its fixed value); ``[("", None)]``
-    where some name is not a Python identifier. None where the forward is traced as it is."""
+    passed through ``**kwargs``, each (name, ``<tensor>`` or its fixed value); empty where the
+    call passes nothing or some name is not a Python identifier (no stages). None where the
+    forward is traced as it is."""
     if (not hasattr(forward, "__wrapped__")
             and not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
             and not any(type(v) is tuple for _, v in pattern.args)):
@@ -510,7 +511,7 @@ def _slots(sig: inspect.Signature, pattern: Pattern, forward: Callable[..., Any]
     if len(set(names)) != len(names) or not all(
             k.isidentifier() and not keyword.iskeyword(k) and k not in ("self", "_forward")
             for k in names):
-        return [("", None)]
+        return []
     return out
 
 
