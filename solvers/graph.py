@@ -133,6 +133,16 @@ class GraphIndex:
                     ac[out_storage[i]] = i
         self.autocast_casts: dict[int, int] = ac
         """Storages of parameters cast by autocast (from its cache) -> the node that cast them."""
+        held = set(ac)
+        for name in p.model_outputs:
+            j = self.name_to_i[name]
+            held.update([out_storage[j]] if out_storage[j] is not None else self.new[j])
+            held.update(nodes[j].storage_parts)
+        self.not_code_held: frozenset[int] = frozenset(held)
+        """Storages whose last reference at the end of forward is not the model code's: the
+        model's outputs (the caller holds them) and autocast's cached casts (its cache does,
+        until the autocast block ends). Generated code that drops values early drops them no
+        earlier (`solvers.simulate._original_ends`)."""
         self.call_holds = {(c.start, c.end): c.holds for c in p.calls if c.holds}
         once = {}
         for c in p.calls:
@@ -299,6 +309,9 @@ class IndexArrays:
             if s not in g.fixed_storages:
                 self.release[s] = i
         self.persist = np.asarray(sorted(g.persist), dtype=np.int64)
+        self.not_code_held = np.zeros(n_st, dtype=bool)
+        """`GraphIndex.not_code_held` as a mask over storages."""
+        self.not_code_held[list(g.not_code_held)] = True
         self.formula_end = np.full(n_st, -1, dtype=np.int64)
         """Storages made by a C++ backward formula: the formula's last op (`GraphIndex.bw_end`).
         A custom Function's Python backward frees them at their last reference instead."""

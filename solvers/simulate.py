@@ -65,6 +65,9 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   generated code, in forward and in the run's replay: it drops a value after the last stage
   that reads it (a stage: one call of the traced forward), where the model's own code may have
   kept it longer in a local (`Node.releases` count no later than that stage, `_traced_calls`).
+  What the code does not hold last is not dropped earlier: the values the model returns (the
+  caller holds them) and autocast's cached casts, which the cache holds until the autocast
+  block ends, in forward too (`GraphIndex.not_code_held`).
 - A region whose calls update buffers in place (BatchNorm's running statistics) replays on
   copies of them, made as its replay starts (`planner.inplace`), so that the statistics move
   once per step; a copy a replayed op saves (batch norm saves the statistics it is given) lives
@@ -163,9 +166,11 @@ class _Reg:
     """Regions nested in it, with no kept region between, that never replay and are left out
     (`_resolve`): (first node, last node, tensor arguments) of each call, which still runs in
     its replay."""
-    stages: tuple[list[int], list[int]] | None = None
-    """For a run of a traced call's stages: the first and last node of each of the call's
-    stages (its replay runs the generated code, `_traced_calls`)."""
+    traced: tuple[tuple[int, int, list[int], list[int]], ...] = ()
+    """The calls that run their generated code under the schedule (`_traced_calls`: the call
+    a run of stages is part of, and any such call in its span), each as (first node, last
+    node, first and last node of each stage): in its replay too, they drop values after the
+    stage that reads them last."""
 
 
 def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
@@ -217,6 +222,7 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
         last_end = max(last_end, b)
         open_.append((a, b, k))
     raw: dict[int, _Reg] = {}
+    running = _traced_calls(g, regions)
     for a, b, k in spans:
         r = regions[k]
         span = g.spans.get((a, b))
@@ -251,7 +257,7 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
             inputs = inputs | ({x for k in range(p0, p1 + 1) for x in per_stage[k]} - produced)
         raw[k] = _Reg(nodes, saved, -1, -1, -1, produced, holds, inputs=inputs, buffers=buffers,
                       restores=restores, random=random,
-                      stages=(traced[0][2], traced[0][3]) if traced else None)
+                      traced=tuple(c for c in running if c[0] <= b and a <= c[1]))
     # A region that never replays (none of its saved tensors is read in backward) is left out,
     # its nodes belonging to its parent; leaving one out can change its parent, so repeat.
     # Its checkpoint still runs in its parent's replay, saving its tensor arguments to the
@@ -414,7 +420,8 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         traced code, and, recursively, those of the regions nested in it."""
         if k not in sigs:
             r = regs[k]
-            sigs[k] = (r.nodes[0], r.nodes[-1], r.early_stop, r.idle, r.stages is not None,
+            sigs[k] = (r.nodes[0], r.nodes[-1], r.early_stop, r.idle,
+                       tuple((c[0], c[1]) for c in r.traced),
                        tuple(sig(c) for c in r.children))
         return sigs[k]
 
@@ -684,19 +691,21 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             extra.append((min(bisect.bisect_left(ran, first), len(ran) - 1), snap))
     # The replay runs the module's own code: what it holds past the last reader lives until
     # it is dropped there too, or until the early stop unwinds the replay.
-    fwd_read = g.last_forward_read() if r.stages is not None else {}
+    fwd_read = g.last_forward_read() if r.traced else {}
     for s in r.produced:
         rel = g.release.get(s)
-        if rel is not None and r.stages is not None and fwd_read.get(s, -1) <= r.nodes[-1] \
-                and rel <= r.stages[1][-1]:
-            # a run of traced code drops a value no later stage reads after the stage that
-            # reads it last (the generated code's `x = None`), not where the model's code did;
-            # what outlived the call in forward (autocast's cached casts, an attribute) is held
-            # by something else, as `_original_ends` has it
-            firsts, lasts = r.stages
-            n = max(fwd_read.get(s, -1), int(g.arrays().maker[s]))
-            k = bisect.bisect_right(firsts, n) - 1
-            rel = min(rel, lasts[k] if k >= 0 and n <= lasts[k] else n)
+        if rel is not None and r.traced and fwd_read.get(s, -1) <= r.nodes[-1] \
+                and s not in g.not_code_held:
+            # a call running its traced code drops a value no later stage reads after the
+            # stage that reads it last (the generated code's `x = None`), not where the model's
+            # code did; what the code does not hold last (autocast's cached casts, what the
+            # model returns) is held by something else, as `_original_ends` has it
+            m = int(g.arrays().maker[s])
+            n = max(fwd_read.get(s, -1), m)
+            for ca, cb, firsts, lasts in r.traced:
+                if ca <= m <= cb and ca <= rel <= cb:
+                    k = bisect.bisect_right(firsts, n) - 1
+                    rel = min(rel, lasts[k] if k >= 0 and n <= lasts[k] else n)
         if rel is not None:
             pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else len(ran) - 1
             if pos > read_pos.get(s, -1):
@@ -855,7 +864,7 @@ def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int
     for ca, cb, firsts, lasts in _traced_calls(g, regions):
         release = release.copy() if release is a.release else release
         made = np.flatnonzero((a.maker >= ca) & (a.maker <= cb) & (release >= ca)
-                              & (release <= cb))
+                              & (release <= cb) & ~a.not_code_held)
         if not len(made):
             continue
         r = np.maximum(last[made], a.maker[made])  # the last reader (or the maker)

@@ -1808,15 +1808,9 @@ class _StagingForward:
     recorder's op count before each node."""
 
     def __init__(self, name: str, module: torch.nn.Module, rec: _Recorder,
-                 found: dict[str, tuple[Any, list[tuple[int, int]]]], wrapped_ok: bool = True):
+                 found: dict[str, tuple[Any, list[tuple[int, int]]]]):
         self.name, self.module, self.rec, self.found = name, module, rec, found
         self.orig = type(module).forward.__get__(module)
-        self.wrapped_ok = wrapped_ok
-        """Whether a forward traced through a wrapper (`planner.stages._slots`: a Hugging Face
-        decoder layer's) may be staged. Not under autocast: there, runs of such forwards nested
-        three deep (BLOOM: a run of the root's forward, a layer, a run of its attention) peak
-        above the simulator's prediction (the casts the nested replays make), a rule not
-        modelled yet; those modules stay whole calls, as before they traced."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         pattern = call_pattern(self.module, args, kwargs)
@@ -1827,8 +1821,6 @@ class _StagingForward:
                 sg = trace(self.module, pattern)
             finally:
                 self.rec.suspended -= 1
-            if sg is not None and sg.wrapped and not self.wrapped_ok:
-                sg = None
         if sg is None:
             return self.orig(*args, **kwargs)
         marks: list[tuple[int, int]] = []
@@ -1864,8 +1856,7 @@ def _find_stages(spec: StepSpec, recording: Recording) -> dict[str, Staged]:
         rec = _Recorder(structure=False)
         found: dict[str, tuple[Any, list[tuple[int, int]]]] = {}
         for name, m in allowed.items():
-            m.__dict__["forward"] = _StagingForward(name, m, rec, found,
-                                                    wrapped_ok=spec.autocast is None)
+            m.__dict__["forward"] = _StagingForward(name, m, rec, found)
         try:
             with restoring(spec), rec:
                 run_step(spec, rec, hooks=False)
