@@ -1,7 +1,7 @@
 """Issue 13 on this CPU: below per-block checkpointing, on the six benchmark models.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 HF_HUB_OFFLINE=1 \
-        python benchmarks/below_per_block.py [model ...] [--rounds 3] [-o out.json]
+        python benchmarks/below_per_block.py [model ...] [--rounds 3] [--autocast bf16] [-o out.json]
 
 For each model of `benchmarks/cpu_sizes.py`: per-block checkpointing (every repeated block one
 region, as HF's `gradient_checkpointing_enable()` places them) applied in place and its peak
@@ -43,19 +43,20 @@ BELOW = 0.20
 """How far below per-block's measured peak the plan's budget is."""
 
 
-def study(name: str, rounds: int) -> dict:
+def study(name: str, rounds: int, autocast: torch.dtype | None = None) -> dict:
     torch.manual_seed(0)
     model, x = getattr(cpu_sizes, name)()
     model.train()
     t0 = time.perf_counter()
-    prof = planner.profile(model, x, repeats=2)
-    out: dict = {"model": name, "profile_s": round(time.perf_counter() - t0, 1)}
-    none = measure(model, x, repeats=1)
+    prof = planner.profile(model, x, repeats=2, autocast=autocast)
+    out: dict = {"model": name, "profile_s": round(time.perf_counter() - t0, 1),
+                 "autocast": str(autocast).removeprefix("torch.") if autocast else ""}
+    none = measure(model, x, repeats=1, autocast=autocast)
     per_block = solve(prof, 2**62, "per_block")
     out["blocks"] = len(per_block.regions)
     apply_schedule(model, per_block)
     try:
-        pb = measure(model, x, repeats=1)
+        pb = measure(model, x, repeats=1, autocast=autocast)
     finally:
         remove(model)
     least = lowest(prof, 30.0)
@@ -88,7 +89,7 @@ def study(name: str, rounds: int) -> dict:
             if s is not None:
                 apply_schedule(model, s)
             try:
-                times[k] += measure(model, x, repeats=2).step_ms_all
+                times[k] += measure(model, x, repeats=2, autocast=autocast).step_ms_all
             finally:
                 if s is not None:
                     remove(model)
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-o", "--output", default=None, help="write the rows as JSON")
     ap.add_argument("--table", metavar="JSON", help="print the table of a saved run, measure nothing")
+    ap.add_argument("--autocast", choices=("bf16", "fp16"),
+                    help="profile, plan and measure with forward and loss under torch.autocast")
     args = ap.parse_args(argv)
     if args.table:
         print(table(json.loads(Path(args.table).read_text())["rows"]))
@@ -135,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.models:
         t0 = time.perf_counter()
-        rows.append(study(name, args.rounds))
+        rows.append(study(name, args.rounds, {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                              None: None}[args.autocast]))
         print(f"{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     if args.output:
         Path(args.output).write_text(json.dumps(
             {"allocator": host_allocator(), "torch": torch.__version__,
+             "autocast": args.autocast or "",
              "threads": torch.get_num_threads(), "rows": rows}, indent=1))
     print(table(rows))
     return 0
