@@ -281,6 +281,8 @@ def to_profile(
                 grad_of=names[r.grad_of] if r.grad_of is not None else None,
                 python_backward=r.python_backward,
                 accumulates=r.accumulates and r.phase == "backward",
+                after_formula=r.after_formula and r.phase == "backward"
+                and r.grad_of is not None and not r.accumulates,
                 workspace_bytes=int(r.workspace_bytes),
                 flops=int(r.flops),
                 bytes_moved=int(r.bytes_moved),

@@ -95,11 +95,18 @@ class GraphIndex:
         # `ctx.saved_tensors` where its code does, taken as its first op that reads one.
         self.bw_unpack: dict[int, int] = {}
         self.accumulates = accumulates = [nd.accumulates for nd in nodes]
+        self.apply_end: dict[int, int] = {}
+        """apply_end[f]: the last op of f's formula, before the engine's own ops on its outputs
+        (`Node.after_formula`, `Node.accumulates`): a region's replayed copies that f's node
+        unpacked are the formula's locals and die there (the checkpoint's frame dropped them
+        as it handed them over); what the node saves itself lives to `bw_end`."""
         for i in range(self.n):
             g = self.grad_of[i]
             if g >= 0:
                 if not accumulates[i] or g not in self.bw_end:
                     self.bw_end[g] = i
+                if not (accumulates[i] or nodes[i].after_formula) or g not in self.apply_end:
+                    self.apply_end[g] = i
                 if g not in self.bw_unpack and not accumulates[i] and (
                         not self.python_backward[i]
                         or not all_reads[i].isdisjoint(self.saves[g])):

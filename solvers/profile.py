@@ -98,6 +98,12 @@ class Node:
     """Backward nodes: the autograd engine's sum of two gradients for one input (`InputBuffer`),
     run after the formula of `grad_of`'s node returned. That node's saved tensors were released
     before it (`GraphIndex.bw_end` ends the node's backward at its last other op)."""
+    after_formula: bool = False
+    """Backward nodes: run by the engine after the formula of `grad_of`'s node returned, before
+    the node's saved tensors are released: `validate_outputs` reducing a broadcast gradient to
+    its input's shape (``sum_to``) or casting it. A region's replayed copies the node unpacked
+    died as the formula returned (`GraphIndex.apply_end`); what it saves itself lives through
+    these."""
     workspace_bytes: int = 0
     """Bytes the op allocates and frees again while it runs (beyond its outputs); measured on
     CPU from allocation events, 0 where unknown (estimate mode)."""
@@ -572,6 +578,11 @@ def _validate(p: Profile) -> None:
             raise ProfileError(f"{where}: accumulates must be true or false")
         if n.accumulates and n.phase != "backward":
             raise ProfileError(f"{where}: accumulates is set on a {n.phase!r} node")
+        if not isinstance(n.after_formula, bool):
+            raise ProfileError(f"{where}: after_formula must be true or false")
+        if n.after_formula and (n.grad_of is None or n.accumulates):
+            raise ProfileError(f"{where}: after_formula is set on a node that is not one of an "
+                               "autograd node's backward ops (grad_of), or one that accumulates")
         if n.name in seen:
             raise ProfileError(f"{where}: duplicate node name (first at nodes[{seen[n.name]}])")
         if n.phase not in PHASES:

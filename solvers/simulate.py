@@ -31,7 +31,9 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   unpacks its saved tensors before its first op, so the replay runs before anything that node
   allocates (IndexBackward0's zeros, made before the indices are read); a custom Function's
   Python backward, at its first op that reads one (`GraphIndex.bw_unpack`).
-- Replayed tensors the region's autograd nodes need live until those nodes have run; the others
+- Replayed tensors the region's autograd nodes need live until those nodes' formulas have
+  returned (a node unpacks them into the formula's locals; the engine's reduction of a
+  broadcast gradient after the formula, `Node.after_formula`, runs without them); the others
   die after their last replayed reader, or where the module's code drops them, or when the early
   stop unwinds the replay; what a replayed node that never runs backward saved lives as long as
   that node, as in forward (the replay's pack hook hands it back to the node). A cached (saved)
@@ -405,8 +407,8 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         r = regs[c]
         best = ((r.trigger, r.depth), _end_of_replay(g, r)) if r.trigger >= 0 else ((-1, -1), -1)
         for i in r.own:
-            if s in g.saves[i] and i in g.bw_end and (g.bw_end[i], AFTER_REPLAYS) > best[0]:
-                best = ((g.bw_end[i], AFTER_REPLAYS), g.bw_end[i])
+            if s in g.saves[i] and i in g.bw_end and (g.apply_end[i], AFTER_REPLAYS) > best[0]:
+                best = ((g.apply_end[i], AFTER_REPLAYS), g.apply_end[i])
         for d in r.children:
             if s in handed(d):
                 best = max(best, keep_for(s, d), key=lambda x: x[0])
@@ -656,7 +658,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     for i in r.own:
         for s in g.saves[i]:
             if s in r.produced and i in g.bw_end:
-                hold[s] = max(hold.get(s, -1), g.bw_end[i])
+                hold[s] = max(hold.get(s, -1), g.apply_end[i])
     if nested is not None:
         handed, keep_for = nested
         order = {s: (t, AFTER_REPLAYS) for s, t in hold.items()}
@@ -745,7 +747,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
         for s, pos in first.items():
             recast.setdefault(pos, []).append(s)
             recompute_ms += g.time[g.autocast_casts[s]]
-            end = max((g.bw_end[i] for i in r.own if s in g.saves[i] and i in g.bw_end),
+            end = max((g.apply_end[i] for i in r.own if s in g.saves[i] and i in g.bw_end),
                       default=-1)
             if end >= 0:
                 held[s] = end
@@ -757,7 +759,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     if ran and r.buffers:
         recast.setdefault(0, []).extend(r.buffers)
         for s in r.buffers:
-            end = max((g.bw_end[i] for i in r.own if i <= r.early_stop and s in g.saves[i]
+            end = max((g.apply_end[i] for i in r.own if i <= r.early_stop and s in g.saves[i]
                        and i in g.bw_end), default=-1)
             if end >= 0:
                 held[s] = end

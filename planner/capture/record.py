@@ -242,6 +242,10 @@ class OpRecord:
     accumulates: bool = False
     """The autograd engine's sum of two gradients for one input of a node (its ``InputBuffer``),
     not an op of a backward formula."""
+    after_formula: bool = False
+    """Backward ops the engine runs after the node's formula returned (outside the node's
+    profiler scope, inside its ``evaluate_function``): `validate_outputs` reducing a broadcast
+    gradient to its input's shape (``sum_to``) or casting it, and the `accumulates` sums."""
 
 
 @dataclass(frozen=True)
@@ -1967,6 +1971,11 @@ def _time_ops(spec: StepSpec, recording: Recording, repeats: int, sync) -> None:
     recording.step_ms = round(statistics.median(plain[1:]), 3)
 
 
+_EVALUATE = "autograd::engine::evaluate_function: "
+"""The profiler scope the autograd engine opens around each node's whole evaluation (its
+formula runs in a scope named after the node, inside it)."""
+
+
 def _measure_workspace(spec: StepSpec, recording: Recording) -> None:
     """Bytes each op allocates and frees again while it runs (beyond its outputs), from the
     profiler's allocation events inside a per-op `record_function` window: the peak of the
@@ -1994,10 +2003,16 @@ def _measure_workspace(spec: StepSpec, recording: Recording) -> None:
                 allocations(c, acc)
         return acc
 
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    todo = [(e, "") for e in prof.profiler.kineto_results.experimental_event_tree()]
     while todo:
-        e = todo.pop()
+        e, node = todo.pop()
         if e.name.startswith("ckpt_op::"):
+            if node.startswith(_EVALUATE):
+                # directly in the engine's scope for the node, not in the node's own (its
+                # formula): run after the formula returned
+                k = at.get(int(e.name.removeprefix("ckpt_op::")))
+                if k is not None and ops[k].phase == "backward":
+                    ops[k].after_formula = True
             cur = peak = 0
             for _, delta in sorted(allocations(e, [])):
                 cur += delta
@@ -2008,5 +2023,8 @@ def _measure_workspace(spec: StepSpec, recording: Recording) -> None:
                 if k is not None:
                     ops[k].workspace_bytes = ws
         else:
-            todo.extend(e.children)
+            # the innermost engine scope above, or the node's own scope inside it
+            inner = e.name if e.name.startswith(_EVALUATE) or (
+                node.startswith(_EVALUATE) and e.name == node.removeprefix(_EVALUATE)) else node
+            todo.extend((c, inner) for c in e.children)
 

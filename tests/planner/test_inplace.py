@@ -1019,7 +1019,10 @@ def test_a_call_drawing_from_its_own_generator_replays_its_draws(loose):
         none = p.baselines()["none"].predicted_peak_bytes
         assert p.predicted_peak_bytes < 0.7 * none
         m = measure(model, x, repeats=1)  # verify cannot reseed the generators; measure can
-        assert 0 <= p.predicted_peak_bytes - m.peak_bytes <= SLACK_BYTES, m
+        # `h / 0.8` makes 0.8 an 8-byte CPU tensor that no op returns, so the profile does not
+        # see it (a GPU step keeps it on the host): the region's replay holds one through its
+        # end, the prediction does not
+        assert -8 <= p.predicted_peak_bytes - m.peak_bytes <= SLACK_BYTES, m
 
     def grads(m: nn.Module) -> dict[str, torch.Tensor]:
         for b in m[:4]:
@@ -1105,3 +1108,42 @@ def test_spectral_norm_regions_replay_from_the_buffers_forward_started_from():
         planner.remove(model)
     torch.testing.assert_close(l1, l0, rtol=0, atol=0)  # the same forward, from the same vectors
     assert max((g1[k] - g0[k]).abs().max().item() for k in g0) > 1e-4
+
+
+class _EdgeGate(nn.Module):
+    """Per-row weights broadcast over the features (`h * w[:, None]`, a message passing
+    layer's edge weights): MulBackward0's gradient for `w[:, None]` is reduced to (N, 1) by the
+    engine after the formula returned."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        w = h.mean(-1).sigmoid()
+        return h * w[:, None]
+
+
+def test_a_replayed_copy_dies_before_the_engine_reduces_a_broadcast_gradient():
+    """A region's replayed copies, unpacked by an autograd node, are the formula's locals: they
+    die as the formula returns, before the engine sums the gradient of a broadcast input down
+    to its shape (`Node.after_formula`). Predicted with the copies held through that sum, the
+    peak was over by the reduced gradient's bytes (N * 4)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_EdgeGate(), _EdgeGate(), nn.Linear(64, 8)).train()
+    x = torch.randn(16000, 64)
+    p = planner.plan(model, None, example_inputs=x)
+    planner.remove(model)
+    assert any(n.after_formula for n in p.profile.nodes)
+    from solvers.chain import bind
+    from solvers.nested import _regions
+
+    block = next(s for s in candidate_calls(p.profile) if s.call.module == "1")
+    regions = bind(p.profile, _regions(p.profile, [block]))
+    apply_schedule(model, Schedule(regions=regions, method="test", status="feasible"))
+    try:
+        m = measure(model, x, repeats=1)
+    finally:
+        planner.remove(model)
+    assert abs(simulate(p.profile, regions).peak_bytes - m.peak_bytes) <= 64
