@@ -623,7 +623,7 @@ def test_under_autocast_runs_of_a_traced_root_keep_the_casts_and_outputs_code_do
     stage, but not autocast's cached weight casts (the layers' and the LM head's: the cache
     holds them to the end of forward) nor the logits the model returns. With a layer
     checkpointed (its attention a run inside it), forward holds the peak: it is predicted
-    exactly (it was 36,096 B under), and the smallest-peak plan holds its budget."""
+    exactly (it was under-predicted), and the smallest-peak plan holds its budget."""
     from solvers.chain import bind, candidate_calls
     from solvers.nested import _regions
     from tests.zoo import CASES
@@ -657,7 +657,7 @@ def test_a_replay_runs_the_generated_code_of_the_calls_inside_it():
     """GPT-2 under bf16, the whole transformer checkpointed and, inside it, a run of layer 1's
     attention half: layer 1 runs its generated code in forward and in the transformer's replay
     too, which drops the attention probabilities after the attention's stage (GPT2Block keeps
-    them in `outputs` to its end). The replay's peak was predicted 44,480 B over; now exact."""
+    them in `outputs` to its end). The replay's peak was over-predicted; now exact."""
     from solvers.nested import _regions
     from tests.zoo import CASES
 
