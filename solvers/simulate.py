@@ -45,7 +45,10 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   a replayed one runs its checkpoint again inside the replay: the new frame (its own RNG state,
   and what it keeps by reference: the tensors the objects among its arguments reach, a cache,
   and tensor arguments its ops never read, `ModuleCall.holds`) lives until the replay
-  returns. (The RNG state is host memory on a GPU, counted on CPU only.) The parent's replay
+  returns; one whose call starts right after the replay's early stop makes it after the frees
+  of the replay's last op (an argument of a call that has returned is gone) and before those
+  of its return, as the stop fires when that call saves its arguments. (The RNG state is host
+  memory on a GPU, counted on CPU only.) The parent's replay
   saves the nested call's tensor arguments for that frame; the nested region's own replay
   unpacks them as it starts and drops them as it returns (its early stop), so they live until
   then, or until the backward of its replayed ops that save them, or as long as a region nested
@@ -53,7 +56,9 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   what the innermost region saved, whose arguments the region around it saved): the outer
   replay runs first and returns before the inner one starts. A nested region that never
   replays (nothing it saves is read in backward) is left out, but its call still saves its
-  tensor arguments to the parent's frame as it starts: the parent's replay runs up to it.
+  tensor arguments to the parent's frame as it starts: the parent's replay runs up to it. One
+  none of whose ops runs backward but that packs tensors keeps its frame, RNG state and
+  inputs, as long as its autograd graph lives.
 - Under `torch.autocast`, a parameter cast to the lower precision is made by the first op that
   needs it and taken from autocast's cache by every later op of the same autocast block, until
   the block ends (`GraphIndex.autocast_casts`). A replay runs in an autocast block of its own:
@@ -517,6 +522,21 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                 extra_alloc[span[0]] = extra_alloc.get(span[0], 0) + g.rng_state_bytes
                 end = max(dead[k] for k in span)
                 extra_free[end] = extra_free.get(end, 0) + g.rng_state_bytes
+    # A region none of whose ops runs backward: its frame keeps the region's inputs where its
+    # ops pack anything for backward (the packed tensors' hooks hold the frame), as long as
+    # that autograd graph lives (a layer whose output the model returns and the loss ignores).
+    dead = g.dead_ends()
+    for r in regions if dead else ():
+        i, j = g.name_to_i[r.start], g.name_to_i[r.end]
+        span = [k for k in range(i, j + 1) if g.phase[k] == "forward"]
+        info = g.spans.get((i, j))
+        if not span or info is None or not all(k in dead for k in span) \
+                or not any(g.saves[k] for k in span):
+            continue
+        end = max(dead[k] for k in span)
+        for s in info[2]:
+            if s not in g.fixed_storages and end > last[s]:
+                last[s] = end
 
     if not timeline:
         return _sweep(g, last, held, replay_at, replay_ops, replay_freed, extra_alloc,
@@ -552,12 +572,14 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                     mem += sb[s]
                     if timeline:
                         live[s] = True
-                if mem + ws[j] > peak:
-                    peak, peak_at = mem + ws[j], f"replay:{names[j]}"
+                w = ws[j] if j is not None else 0
+                name = f"replay:{names[j if j is not None else rep.ops[pos - 1][0]]}"
+                if mem + w > peak:
+                    peak, peak_at = mem + w, name
                     if timeline:
-                        snap = (tuple(live.items()), ws[j])
+                        snap = (tuple(live.items()), w)
                 if timeline:
-                    tl.append((f"replay:{names[j]}", mem))
+                    tl.append((name, mem))
                 for s in fr:
                     mem -= sb[s]
                     if timeline:
@@ -630,7 +652,8 @@ class _Replay:
     packs: int
     """Tensors the region's own ops save (checkpoint packs each one)."""
     extra: tuple[tuple[int, int], ...] = ()
-    """(position, bytes) of host state allocated at that op and freed after the last one."""
+    """(position, bytes) of host state allocated before that op (position len(ran): at the
+    replay's return, after its last op) and freed as the replay returns."""
 
 
 def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int] | None,
@@ -675,6 +698,10 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                 read_pos[s] = pos
     random, nested_calls = calls
     rng = g.rng_state_bytes
+    # Position len(ran) is the replay's return (or its early stop unwinding it): a step after
+    # the last op that only frees, except that a nested call starting right after the early
+    # stop makes its frame there first (the stop fires as it saves its arguments).
+    ret = len(ran)
     extra: list[tuple[int, int]] = []  # (position, bytes): RNG states, freed as the replay ends
     if ran and rng and random:
         extra.append((0, rng))
@@ -682,15 +709,15 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
         if ran and first <= r.early_stop:
             for s in kw:  # bound in the new frame's function until the replay returns
                 if s in r.produced:
-                    read_pos[s] = len(ran) - 1
-            returns = bisect.bisect_right(ran, end) - 1
+                    read_pos[s] = ret
+            returns = bisect.bisect_right(ran, end) - 1 if end <= r.early_stop else ret
             for s in args:  # held by the call (checkpoint's own frames) until it returns
                 if s in r.produced and returns > read_pos.get(s, -1):
                     read_pos[s] = returns
         if ran and rand and rng and first <= r.early_stop + 1:
-            extra.append((min(bisect.bisect_left(ran, first), len(ran) - 1), rng))
+            extra.append((bisect.bisect_left(ran, first), rng))
         if ran and snap and first <= r.early_stop + 1:
-            extra.append((min(bisect.bisect_left(ran, first), len(ran) - 1), snap))
+            extra.append((bisect.bisect_left(ran, first), snap))
     # The replay runs the module's own code: what it holds past the last reader lives until
     # it is dropped there too, or until the early stop unwinds the replay.
     fwd_read = g.last_forward_read() if r.traced else {}
@@ -709,7 +736,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                     k = bisect.bisect_right(firsts, n) - 1
                     rel = min(rel, lasts[k] if k >= 0 and n <= lasts[k] else n)
         if rel is not None:
-            pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else len(ran) - 1
+            pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else ret
             if pos > read_pos.get(s, -1):
                 read_pos[s] = pos
     # A replayed op that never runs backward (its output does not reach the loss) keeps what
@@ -723,7 +750,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             e = dead.get(i)
             if e is None or i not in own or i in r.saved:
                 continue
-            pos = bisect.bisect_right(ran, e) - 1 if e <= r.early_stop else len(ran) - 1
+            pos = bisect.bisect_right(ran, e) - 1 if e <= r.early_stop else ret
             for s in g.saves[i]:
                 if s in r.produced and pos > read_pos.get(s, -1):
                     read_pos[s] = pos
@@ -752,7 +779,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             if end >= 0:
                 held[s] = end
             else:
-                frees.setdefault(len(ran) - 1, []).append(s)
+                frees.setdefault(ret, []).append(s)
     # Buffers the region updates in place (BatchNorm statistics): the replay runs on copies
     # made as it starts; a copy its replayed ops save (batch norm saves its running statistics)
     # lives until their backward, the others until the replay returns.
@@ -764,7 +791,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
             if end >= 0:
                 held[s] = end
             else:
-                frees.setdefault(len(ran) - 1, []).append(s)
+                frees.setdefault(ret, []).append(s)
     for pos, i in enumerate(ran):
         if i in r.saved:
             # Selective saves are cached from forward; the replay consumes the cache entry, so
@@ -787,7 +814,11 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                 held[s] = hold[s]
             else:
                 frees.setdefault(read_pos.get(s, pos), []).append(s)
+    # the return: a step of no op (None), when something happens there
+    tail = bool(ran) and (ret in frees or any(pos == ret for pos, _ in extra))
     out = [(i, alloc, frees.get(pos, [])) for pos, (i, alloc) in enumerate(ops)] if with_ops else []
+    if with_ops and tail:
+        out.append((None, [], frees.get(ret, [])))
     if r.saved:
         assert last is not None
         for i in r.saved:
@@ -803,13 +834,19 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
         plus[[pos for pos, i in enumerate(ran) if i in r.saved]] = 0  # cached, not replayed
     for pos, casts in recast.items():
         plus[pos] += sum(g.sbytes[s] for s in casts)
-    minus = np.zeros(len(ran), dtype=np.int64)
+    ws = a.ws[idx]
+    if tail:  # the return's step: no op, no workspace, named after the last op
+        idx = np.append(idx, idx[-1])
+        plus = np.append(plus, 0)
+        ws = np.append(ws, 0)
+    minus = np.zeros(len(plus), dtype=np.int64)
     for pos, fr in frees.items():
-        minus[pos] = sum(g.sbytes[s] for s in fr)
+        if pos < len(minus):
+            minus[pos] = sum(g.sbytes[s] for s in fr)
     for pos, b in extra:
         plus[pos] += b
         minus[-1] += b
-    return _Replay(out, held, recompute_ms, (plus, minus, a.ws[idx], -1 - idx),
+    return _Replay(out, held, recompute_ms, (plus, minus, ws, -1 - idx),
                    sum(len(g.saves[i]) for i in r.own), tuple(extra))
 
 

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 import planner
-from planner.api import SLACK_BYTES
+from planner.api import SLACK_BYTES, region_label
 from planner.capture.record import default_loss
 from planner.inplace import SegmentedForward, StagedForward, apply_schedule, remove, wrapper_of
 from planner.measurement import measure
 from solvers import Region, Schedule, ScheduleError
 from solvers.chain import bind, candidate_calls, region, useful_calls
+from solvers.nested import _regions
 from solvers.simulate import peak_breakdown, simulate
 from solvers.solve import lowest, pareto, smallest_peak, solve
 from tests.models import call, hf_llama
@@ -489,6 +490,68 @@ def _exactly(prof, model, x, loss_fn, regions, reference, peak_at: str) -> None:
     finally:
         remove(model)
     assert abs(sim.peak_bytes - measured) <= 1024, (sim.peak_bytes, measured)
+
+
+def test_a_random_call_right_after_the_early_stop_makes_its_frame_after_the_last_frees():
+    """A replay stops early as the nested call after its last needed op saves its arguments to
+    the parent's frame; a random call's checkpoint has stashed the RNG state by then. Here the
+    Dropout's call starts right after the GELU's (both nested in a run of the Sequential's
+    children, the GELU's in a shorter run too): the GELU call has returned and dropped its
+    input before the Dropout's stash, so the two are never alive together. Counting the stash
+    before the GELU's output (the replay's last op) put the prediction over by an RNG state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(128, 10)).train()
+    x, targets = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+    def loss_fn(out):
+        return torch.nn.functional.cross_entropy(out, targets)
+
+    reference = _grads(model, x, loss_fn)
+    prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
+    spans = {(s.call.module, s.segment): s for s in candidate_calls(prof)}
+    chosen = [spans[k] for k in (("", (0, 2)), ("", (0, 1)), ("1", None), ("2", None))]
+    regions = bind(prof, _regions(prof, chosen))
+    assert [region_label(r) for r in regions] == [
+        "(root)[children 0-2]", "(root)[children 0-1]", "1", "2"]
+    assert [r.preserve_rng for r in regions] == [True, False, False, True]
+    _check(prof, model, x, loss_fn, regions, reference, within=1024)
+
+
+class _SideOutput(torch.nn.Module):
+    """Returns a second output the loss does not read (as CANINE's final character encoder
+    beside its pooled classification), made with dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU())
+        self.side = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Dropout(0.1))
+        self.norm, self.head = torch.nn.LayerNorm(128), torch.nn.Linear(128, 10)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h).mean(1), self.norm(self.side(h) + h)
+
+
+def test_a_region_whose_ops_never_run_backward_keeps_its_inputs_while_its_graph_lives():
+    """A region on the dropout of an output the loss ignores never replays, but the mask it
+    packs holds its checkpoint's frame, and the frame its input, as long as that output's
+    graph lives: here past the norm after it. Counted freed after its last reader, the input
+    was missing from the prediction, which came out under the measured peak."""
+    torch.manual_seed(0)
+    model, x = _SideOutput().train(), torch.randn(16, 24, 32)
+    targets = torch.randint(0, 10, (16,))
+
+    def loss_fn(out):
+        return torch.nn.functional.cross_entropy(out[0], targets)
+
+    reference = _grads(model, x, loss_fn)
+    prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
+    calls = {s.call.module: s for s in candidate_calls(prof) if s.segment is None}
+    regions = bind(prof, (region(prof, calls["side.1"].a, calls["side.1"].b),))
+    _check(prof, model, x, loss_fn, regions, reference, within=1024)
 
 
 class _Sum(torch.nn.Module):
