@@ -25,6 +25,7 @@ model's ops gives no stages.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -33,7 +34,7 @@ import keyword
 import operator
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -425,9 +426,30 @@ def _execute(node: fx.Node, env: dict, module: torch.nn.Module) -> Any:
     return _resolves(module, node.target)  # get_attr (checked to resolve when traced)
 
 
+@contextlib.contextmanager
+def _attribute_sets(module: torch.nn.Module, sets: list[str]) -> Iterator[None]:
+    """Notes in `sets` each attribute set on `module` or a module inside it while the block
+    runs (through `torch.nn.Module.__setattr__`)."""
+    inside = {id(m): name for name, m in module.named_modules()}
+    original = torch.nn.Module.__setattr__
+
+    def noted(self: torch.nn.Module, name: str, value: Any) -> None:
+        where = inside.get(id(self))
+        if where is not None:
+            sets.append(f"{where}.{name}" if where else name)
+        original(self, name, value)
+
+    torch.nn.Module.__setattr__ = noted
+    try:
+        yield
+    finally:
+        torch.nn.Module.__setattr__ = original
+
+
 def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
     """The module's forward traced for `pattern`, or None where symbolic tracing fails or the
-    forward changes the module (sets an attribute, makes a tensor constant, or writes into a
+    forward changes the module (sets an attribute of it or of a module inside it, even to the
+    value it holds, makes a tensor constant, or writes into a
     dict, list or set it holds, as a cache filled on first use does): the traced code would not
     make that change when it runs in place of the forward. The module is put back as it was."""
     sig = _signature(module)
@@ -452,14 +474,18 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
         n_placeholders = len(slots)
     saved = dict(module.__dict__)
     held = {k: c for k, c in ((k, _contents(v)) for k, v in saved.items()) if c is not None}
+    # the children's attributes too: the forward may set one (RecurrentGemma's temporal block
+    # empties its RG-LRU's state), which tracing does for real, once
+    children = [(m, dict(m.__dict__)) for m in module.modules() if m is not module]
     tracer = _Tracer()
     host_rng = host_rng_state()
     cls = type(module)
+    sets: list[str] = []
     try:
         module.training = pattern.training  # this module's flag only; children are calls
         if slots is not None:
             module.__class__ = _wrapper_class(cls, sig, pattern, [k for k, _ in slots])
-        with torch.no_grad():
+        with torch.no_grad(), _attribute_sets(module, sets):
             graph = tracer.trace(module, concrete_args=concrete or None)
     except Exception:  # noqa: BLE001 - any failure of symbolic tracing means "no stages"
         return None
@@ -471,9 +497,15 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
             del module.__dict__[k]
         rebound = [k for k, v in saved.items() if module.__dict__[k] is not v]
         module.__dict__.update(saved)
+        for m, d in children:
+            for k in set(m.__dict__) - set(d):
+                del m.__dict__[k]
+            m.__dict__.update(d)
         written = [k for k, c in held.items() if _put_back(saved[k], c)]
         drew = _drew(host_rng)
-    if added or rebound or written or drew:
+    if added or rebound or written or drew or sets:
+        # `sets`: the forward sets an attribute of the module or a child (to the value it
+        # holds, even), which the generated code would not do
         # `drew`: the forward drew from Python's `random` or numpy's RNG (stochastic depth
         # written in Python): a trace would fix one draw's branches for every call
         return None

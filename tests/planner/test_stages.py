@@ -230,6 +230,61 @@ def test_a_forward_that_changes_its_module_is_not_traced_and_left_as_it_was(writ
     assert trace(_Stateful("none"), call_pattern(m, (x,), {})) is not None
 
 
+class _Scan(nn.Module):
+    """Adds the state it kept from its last call, if any, and keeps its last row."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.state = None
+
+    def forward(self, x):
+        if self.state is not None:
+            x = x + self.state
+        h = torch.tanh(self.a(x))
+        self.state = h[:, -1:]
+        return h
+
+
+class _Recurrent(nn.Module):
+    """Empties its scan's state before each call, as RecurrentGemma's temporal block empties
+    its RG-LRU's (``self.rg_lru.recurrent_states = None``)."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.norm, self.scan = nn.LayerNorm(dim), _Scan(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        self.scan.state = None
+        h = self.scan(self.norm(x))
+        return x + self.down(F.gelu(self.up(h)))
+
+
+def test_a_forward_that_sets_a_childs_attribute_is_not_traced():
+    """Symbolic tracing runs ``self.scan.state = None`` once, at trace time, and the generated
+    code never does: run in place of the forward, the scan read the state its last call left
+    (RecurrentGemma: another branch, and a backward through the last step's freed graph; here
+    other gradients with no error). Such a forward gets no stages, the child is left as it was,
+    and a plan trains like the model step after step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Recurrent() for _ in range(4)], nn.Linear(16, 4))
+    x = torch.randn(8, 12, 16)
+    twin = copy.deepcopy(model)
+    block = model[0]
+    block(x)
+    kept = block.scan.state
+    assert kept is not None
+    assert trace(block, call_pattern(block, (x,), {})) is None
+    assert block.scan.state is kept
+    p = planner.plan(model, None, example_inputs=x, repeats=1)
+    assert p.schedule.regions
+    assert not any(c.stages for c in p.profile.calls if c.module in {"0", "1", "2", "3"})
+    for _ in range(3):
+        assert_grads_close(loss_and_grads(twin, x)[1], loss_and_grads(model, x)[1],
+                           rtol=0, atol=0)
+
+
 def test_trace_fixes_non_tensor_arguments_and_checks_them():
     class M(nn.Module):
         def __init__(self):
