@@ -223,9 +223,10 @@ _ABSENT = object()
 
 
 def _scalar_slots(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str]]:
-    """(module, name) of every int, float and bool attribute of `modules`, listed as a region
-    first runs: an attribute a forward creates later is not among them."""
-    return [(m, k) for m in modules for k, v in m.__dict__.items() if type(v) in _SCALARS]
+    """(module, name) of every int, float, bool and None attribute of `modules`, listed as a
+    region first runs: an attribute a forward creates later is not among them."""
+    return [(m, k) for m in modules for k, v in m.__dict__.items()
+            if v is None or type(v) in _SCALARS]
 
 
 @contextlib.contextmanager
@@ -239,7 +240,10 @@ def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
       forward on the tensors it is given, and by backward the module has its own again;
     - the modules' int, float and bool attributes as forward started: a forward that advances
       a Python counter (a temperature annealed by step) would advance it again in the replay
-      and compute with the next value; the training flag, if set otherwise since;
+      and compute with the next value; the training flag, if set otherwise since; and those
+      that were None: a forward that starts a recurrence from an empty state and stores its
+      last one there (RecurrentGemma's RG-LRU) would replay from that state, another branch
+      (torch's metadata check raised);
     - the tensors the `modules` hold in plain attributes, as forward left them: a forward that
       stores a tensor it computes on its module (an MoE layer's auxiliary loss, an attention
       map kept for inspection) would leave the replay's there, with the replay's graph.
@@ -256,9 +260,9 @@ def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
             d[name] = t
     for m, k, v in scalars:
         now = m.__dict__.get(k, _ABSENT)
-        if v is _ABSENT:
+        if v is _ABSENT or not (v is None or type(v) in _SCALARS):  # a tensor since
             continue
-        if now is _ABSENT or type(now) is not type(v) or now != v:
+        if now is _ABSENT or type(now) is not type(v) or (v is not None and now != v):
             swapped.append((m.__dict__, k, now))
             m.__dict__[k] = v
     try:

@@ -31,7 +31,7 @@ from planner.inplace import (
     wrapper_of,
 )
 from planner.measurement import measure
-from solvers.chain import candidate_calls, region
+from solvers.chain import bind, candidate_calls, region
 from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.schedule import Region, Schedule
 from solvers.simulate import simulate
@@ -288,6 +288,33 @@ def test_a_replay_starts_from_the_python_state_its_forward_started_from():
         assert_grads_close(g0, g1)
         counters = [(a.calls, a.warm) for a in model.modules() if isinstance(a, _Annealed)]
         assert counters == [(step + 1, True)] * 4
+
+
+def test_a_replay_starts_from_an_empty_state_its_forward_started_from():
+    """A call that starts from an attribute its caller empties (None) and stores its last state
+    there, as RecurrentGemma's RG-LRU does, would replay from that state: another branch, and
+    gradients through the sum of the two with no error (the shapes agree). The replay starts
+    from None, as forward did, and leaves forward's state in the attribute."""
+    from tests.planner.test_stages import _Recurrent, _Scan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Recurrent() for _ in range(4)], nn.Linear(16, 4))
+    x = torch.randn(8, 12, 16)
+    twin = copy.deepcopy(model)
+    prof = planner.profile(model, x, repeats=1)
+    calls = {s.call.module: s for s in candidate_calls(prof) if s.segment is None}
+    regions = bind(prof, tuple(region(prof, calls[f"{i}.scan"].a, calls[f"{i}.scan"].b)
+                               for i in range(4)))
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        for _ in range(2):
+            assert_grads_close(loss_and_grads(twin, x)[1], loss_and_grads(model, x)[1],
+                               rtol=0, atol=0)
+            for a, b in zip(model.modules(), twin.modules(), strict=True):
+                if isinstance(a, _Scan):
+                    torch.testing.assert_close(a.state, b.state, rtol=0, atol=0)
+    finally:
+        planner.remove(model)
 
 
 def test_batchnorm_running_stats_updated_once_per_step(zoo):
