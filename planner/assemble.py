@@ -44,6 +44,15 @@ def call_blockers(rec: Recording) -> list[str]:
     - A random op given a `torch.Generator` no module inside the call holds as an attribute:
       checkpoint restores only torch's default generators, and a region the generators its
       modules hold (``self.gen``), so the replay would draw anew.
+    - Seeding torch's default generator (``torch.seed()``, as Reformer's layers do in every
+      training forward): checkpoint restores the generator's state before a replay, but a
+      replay that seeds it from a fresh draw of entropy draws other dropout masks than forward
+      did, and nothing would notice (the shapes agree). A call that seeds it with
+      ``torch.manual_seed`` looks the same to the recorder and is blocked too.
+    - A module whose forward also runs during backward (a custom autograd Function that
+      recomputes it there, as Reformer's reversible layers do): a region on it would
+      checkpoint that call in backward too, which the cost model does not follow (measured on
+      Reformer, the plan peaked above its prediction and its budget).
     - A tensor with an autograd graph left in a plain attribute of a module inside the call,
       where ops behind it that save tensors never run backward (an attention map kept for
       inspection): its nodes keep the checkpoint's frame, and with it what the replay
@@ -57,6 +66,7 @@ def call_blockers(rec: Recording) -> list[str]:
     per_module = Counter(c.module for c in rec.calls)
     made_at, writes = _writes(rec)
     ran_backward = {r.grad_of for r in rec.ops if r.phase == "backward"}
+    again = set(rec.called_in_backward)
     out = []
     for c in rec.calls:
         reason = ""
@@ -71,6 +81,14 @@ def call_blockers(rec: Recording) -> list[str]:
                       f"({drawn.op}): checkpoint restores only torch's default generators and "
                       "a region the generators its modules hold, so a replay would draw other "
                       "numbers than forward did")
+        if not reason and c.module in again:
+            reason = ("its forward runs again during backward (a custom autograd Function "
+                      "recomputes it, as reversible layers do): a region would checkpoint that "
+                      "call too, which the planner does not model")
+        if not reason and c.reseeds:
+            reason = ("seeds torch's random generator in its forward (torch.seed() or "
+                      "torch.manual_seed): a replay would seed it again, from a new seed where "
+                      "it is drawn anew, and draw other numbers than forward did")
         for i, attr, s in rec.attribute_stores:
             if not reason and c.start <= i <= c.end and \
                     _dead_saver_behind(rec, made_at.get(s, -1), c, ran_backward):

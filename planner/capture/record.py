@@ -267,6 +267,11 @@ class ModuleCall:
     """The call's (args, kwargs) with each tensor replaced by its storage (`StorageRef`) and
     every other value by None: where the call is staged, which storage each placeholder of the
     trace took (`planner.stages.StagedGraph.values`)."""
+    reseeds: bool = False
+    """Whether the call seeds torch's default generators (``torch.seed()``, as Reformer's layers
+    do, or ``torch.manual_seed``): one of torch's seeding functions ran during it, or a default
+    generator (CPU, or a CUDA one) had another initial seed when it returned than when it
+    started (``Generator.seed()``)."""
 
 
 @dataclass(frozen=True)
@@ -321,6 +326,9 @@ class Recording:
     graph in a plain attribute of its module (the op: the call's last; the storage: the
     tensor's, -1 if unknown)."""
     attribute_rereads: list[tuple[int, str]] = field(default_factory=list)
+    called_in_backward: list[str] = field(default_factory=list)
+    """Modules whose forward also ran during backward: a custom autograd Function recomputing
+    them there (Reformer's reversible layers rebuild their inputs from their outputs)."""
     """(op, ``module.attribute``) where a forward op read the tensor a plain attribute of a
     module held as the module's call started, and the attribute holds another by the step's
     end (Transformer-XL's memory: read, then replaced by this segment's)."""
@@ -573,6 +581,8 @@ class _Recorder(TorchDispatchMode):
         self.buffer_sids: set[int] = set()
         self.entered: set[str] = set()
         """Every module whose forward was called."""
+        self.called_in_backward: set[str] = set()
+        """Modules whose forward ran during backward (`Recording.called_in_backward`)."""
         self.applied: int | None = None
         """Sequence number of the autograd node whose formula has just returned: the ops that
         follow under it, until the next node runs, are the engine's accumulations."""
@@ -980,7 +990,7 @@ class _Recorder(TorchDispatchMode):
                 held |= reach[key]
             c = self.calls[k]
             self.calls[k] = ModuleCall(c.module, c.start, c.end, frozenset(held), frozenset(sids),
-                                       mirror)
+                                       mirror, c.reseeds)
 
     def _reachable_storages(self, obj: Any, depth: int = 4) -> set[int]:
         out: set[int] = set()
@@ -1015,6 +1025,8 @@ class _Recorder(TorchDispatchMode):
 
         args_of: list[tuple[list[int], list[int], list[weakref.ref]]] = []
         attrs_of: list[dict[str, int]] = []
+        seeds_of: list[tuple[tuple[int, ...], int]] = []
+        seedings = [0]  # calls of torch's seeding functions so far (`_seeding_counted`)
 
         def tensor_attrs(mod: torch.nn.Module) -> dict[str, int]:
             return {k: id(v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
@@ -1028,6 +1040,7 @@ class _Recorder(TorchDispatchMode):
                 starts.append(len(self.ops))
                 args_of.append(self._argument_refs((args, kwargs)))
                 attrs_of.append(tensor_attrs(mod))
+                seeds_of.append((_initial_seeds(), seedings[0]))
                 if self.structure and self.phase == "forward":
                     for k, v in vars(mod).items():
                         if isinstance(v, torch.Tensor) and v.device.type != "meta":
@@ -1045,8 +1058,10 @@ class _Recorder(TorchDispatchMode):
                     start = starts.pop()
                     refs = args_of.pop()
                     before = attrs_of.pop()
+                    seeded = seeds_of.pop() != (_initial_seeds(), seedings[0])
                     if self.phase == "forward" and len(self.ops) > start:
-                        self.calls.append(ModuleCall(name, start, len(self.ops) - 1))
+                        self.calls.append(ModuleCall(name, start, len(self.ops) - 1,
+                                                     reseeds=seeded))
                         self.call_args.append(refs)
                         if self.structure:
                             for r in refs[2]:
@@ -1069,7 +1084,8 @@ class _Recorder(TorchDispatchMode):
             handles.append(m.register_forward_pre_hook(pre(name), with_kwargs=True))
             handles.append(m.register_forward_hook(post(name), prepend=True, always_call=True))
         try:
-            yield
+            with _seeding_counted(seedings):
+                yield
         finally:
             for h in handles:
                 h.remove()
@@ -1139,7 +1155,9 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
     if rec is not None:
         rec.phase = "backward"
     with (_watch_nodes(rec, loss.grad_fn) if rec is not None and rec.structure
-          else contextlib.nullcontext()):
+          else contextlib.nullcontext()), \
+            (_called_in_backward(rec, spec.model) if rec is not None and rec.structure
+             else contextlib.nullcontext()):
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
     grad_sids = []
     if rec is not None and rec.structure:
@@ -1148,6 +1166,24 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
         rec._final_refs = (loss, grads)  # held until the recording is assembled
     del loss, grads
     return out_sids, loss_sid, grad_sids
+
+
+@contextlib.contextmanager
+def _called_in_backward(rec: _Recorder, model: torch.nn.Module) -> Iterator[None]:
+    """Notes in `rec.called_in_backward` the model's modules whose forward runs during backward
+    (a custom autograd Function recomputing them)."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def hook(mod: torch.nn.Module, _args: Any) -> None:
+        name = names.get(id(mod))
+        if name is not None:
+            rec.called_in_backward.add(name)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager
@@ -1191,6 +1227,45 @@ def seeded(seed: int | None) -> Iterator[None]:
             yield
         finally:
             set_host_rng_state(host)
+
+
+_SEEDING = (("torch", "manual_seed"), ("torch", "seed"), ("torch.random", "manual_seed"),
+            ("torch.random", "seed"), ("torch.cuda", "manual_seed"),
+            ("torch.cuda", "manual_seed_all"), ("torch.cuda", "seed"), ("torch.cuda", "seed_all"))
+"""torch's functions that seed its default generators."""
+
+
+@contextlib.contextmanager
+def _seeding_counted(count: list[int]) -> Iterator[None]:
+    """Counts in ``count[0]`` the calls of torch's seeding functions (`_SEEDING`): a call that
+    seeds with the seed the generator already had leaves its initial seed as it was."""
+    import importlib
+
+    saved = []
+    for mod_name, attr in _SEEDING:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, attr, None)
+        if fn is None:
+            continue
+
+        def counted(*args, _fn=fn, **kwargs):
+            count[0] += 1
+            return _fn(*args, **kwargs)
+
+        saved.append((mod, attr, fn))
+        setattr(mod, attr, counted)
+    try:
+        yield
+    finally:
+        for mod, attr, fn in reversed(saved):
+            setattr(mod, attr, fn)
+
+
+def _initial_seeds() -> tuple[int, ...]:
+    """The initial seeds of torch's default generators (CPU, and CUDA's where initialised)."""
+    return (torch.default_generator.initial_seed(), *(
+        g.initial_seed() for g in (torch.cuda.default_generators
+                                   if torch.cuda.is_initialized() else ())))
 
 
 def _own_generator(args: tuple, kwargs: dict | None) -> torch.Generator | None:
@@ -1719,8 +1794,8 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
     def owner_of(sid: int) -> int:
         return shift(rec.owner[sid])
 
-    calls = [ModuleCall(c.module, c.start + n_ph, c.end + n_ph, c.holds, c.args, c.mirror)
-             for c in rec.calls]
+    calls = [ModuleCall(c.module, c.start + n_ph, c.end + n_ph, c.holds, c.args, c.mirror,
+                        c.reseeds) for c in rec.calls]
     # by first op, the outer of two calls first (also where they span the same ops)
     calls.sort(key=lambda c: (c.start, -c.end, c.module.count(".") + (c.module != "")))
     named = dict(spec.model.named_parameters())
@@ -1739,6 +1814,7 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
         module_paths=[n for n, _ in spec.model.named_modules()],
         attribute_stores=[(i + n_ph, a, sid) for i, a, sid in rec.attribute_stores],
         attribute_rereads=[(i + n_ph, a) for i, a in rec.attribute_rereads],
+        called_in_backward=sorted(rec.called_in_backward),
         sequential={
             n: list(m._modules)
             for n, m in spec.model.named_modules()

@@ -1063,6 +1063,76 @@ def test_a_call_drawing_from_its_own_generator_replays_its_draws(loose):
                for a, b in zip(model[:4], twin[:4], strict=True))
 
 
+class _ReseedingBlock(nn.Module):
+    """Seeds torch's generator in every training forward, then draws dropout from it, as
+    Reformer's layers do with ``torch.seed()`` (here a counter, so that the test reproduces)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.2))
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.seed = 0
+
+    def forward(self, x):
+        self.seed += 1
+        torch.manual_seed(self.seed)
+        return x + self.fc2(self.inner(x))
+
+
+def test_a_call_that_seeds_torchs_generator_is_not_a_region():
+    """A replay starts from the RNG state its forward started from, but a call that seeds the
+    generator itself seeds it again: from a new seed (``torch.seed()``, or a counter as here),
+    the replay draws other dropout masks and the gradients differ with no error. Such calls
+    are blocked, with the reason; the calls inside them replay from the state their forward
+    started from, and the plan trains like the model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_ReseedingBlock() for _ in range(4)], nn.Linear(32, 10))
+    x = torch.randn(8, 24, 32)
+    twin = copy.deepcopy(model)
+    p = planner.plan(model, None, example_inputs=x, repeats=1)
+    blocked = {c.module: c.blocker for c in p.profile.calls if c.blocker}
+    assert set(blocked) == {str(i) for i in range(4)} | {""}, blocked
+    assert all("seeds torch's random generator" in b for b in blocked.values())
+    regions = {r.module for r in p.schedule.regions}
+    assert regions and not regions & set(blocked), regions
+
+    def grads(m: nn.Module) -> dict[str, torch.Tensor]:
+        for b in m[:4]:
+            b.seed = 0  # planning ran steps of the model, not of the twin
+        return loss_and_grads(m, x)[1]
+
+    assert_grads_close(grads(twin), grads(model), rtol=0, atol=0)
+
+
+def test_modules_a_reversible_backward_runs_again_are_not_regions():
+    """Reformer's reversible layers run their attention and feed-forward modules again in
+    backward, inside a custom autograd Function, to rebuild each layer's input: a region on
+    one of them checkpoints that call too, which the planner does not model (a feed-forward
+    region was chosen at the smallest peak, and the plan measured over it). Those calls are
+    blocked, as are the layers (each seeds torch's generator with `torch.seed()`)."""
+    from transformers import ReformerConfig, ReformerModelWithLMHead
+
+    torch.manual_seed(0)
+    config = ReformerConfig(
+        vocab_size=128, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        attn_layers=["local", "lsh"], feed_forward_size=64, axial_pos_embds=False,
+        max_position_embeddings=32, local_attn_chunk_length=8, lsh_attn_chunk_length=8,
+        num_buckets=4, num_hashes=1, is_decoder=True, hidden_dropout_prob=0.1,
+        local_attention_probs_dropout_prob=0.1, lsh_attention_probs_dropout_prob=0.1,
+        pad_token_id=0, eos_token_id=2)
+    model = ReformerModelWithLMHead(config).train()
+    ids = torch.randint(3, 128, (2, 32))
+    p = planner.plan(model, None, example_inputs={"input_ids": ids, "labels": ids,
+                                                  "use_cache": False}, repeats=1)
+    blocked = {c.module: c.blocker for c in p.profile.calls if c.blocker}
+    for i in range(2):
+        layer = f"reformer.encoder.layers.{i}"
+        assert "seeds torch's random generator" in blocked[layer]
+        for part in ("attention", "feed_forward"):
+            assert "runs again during backward" in blocked[f"{layer}.{part}"], blocked
+    assert not {r.module for r in p.schedule.regions} & set(blocked)
+
+
 class _ScriptedBlock(nn.Module):
     def __init__(self, dim: int = 32):
         super().__init__()
