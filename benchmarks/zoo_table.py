@@ -8,7 +8,10 @@
 The same plans as `tests/planner/test_zoo.py`, which asserts them; this prints the figures.
 ``--outside`` plans the families of `benchmarks/outside_zoo.py` instead (asserted there too).
 ``--autocast bf16|fp16`` profiles, plans and verifies with forward and loss under
-`torch.autocast`; a model whose own forward raises so gets a row saying why.
+`torch.autocast`; a model whose own forward raises so gets a row saying why. The last column
+runs each plan on the case's smaller batch (smaller in batch and sequence or image size, under
+the same autocast): its measured peak against the budget, and its loss and gradients against the
+unplanned model's on that batch.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     print("| model | family | budget | plan | predicted peak KiB | measured peak KiB | "
-          "predicted - measured | fits | max grad rel err |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "predicted - measured | fits | max grad rel err | smaller batch: peak KiB, grads |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     cases = CASES
     if args.outside:
@@ -63,30 +66,59 @@ def main(argv: list[str] | None = None) -> int:
                                    autocast=amp)
         except planner.CkptPlannerError as e:
             print(f"| {name} | {case.family} | | does not profile: "
-                  f"{str(e).splitlines()[0][:120]} | | | | | |")
+                  f"{str(e).splitlines()[0][:120]} | | | | | | |")
             continue
         n, least = simulate(prof).peak_bytes, smallest_peak(prof)
         for f in FRACTIONS:
             budget = int(prof.fixed_bytes + f * (n - prof.fixed_bytes))
             head = f"| {name} | {case.family} | {f:g}x = {budget / KiB:.0f} KiB |"
             if budget < least + SLACK_BYTES:
-                print(f"{head} none: smallest peak {least / KiB:.0f} KiB | | | | | |")
+                print(f"{head} none: smallest peak {least / KiB:.0f} KiB | | | | | | |")
                 continue
             p = plan_from_profile(case.model, prof, budget_bytes=budget)
             p.loss_fn, p.example_inputs = case.loss_fn, case.inputs
             try:
                 v = p.verify(repeats=1)
+                small = _smaller_batch(case, amp, budget)
             finally:
                 planner.remove(case.model)
+            small = small if isinstance(small, str) else small()
             err = (v.predicted_peak_bytes - v.measured_peak_bytes) / v.measured_peak_bytes
             worst = max(worst, abs(err))
             print(f"{head} {p.schedule.method}, {len(p.schedule.regions)} regions | "
                   f"{v.predicted_peak_bytes / KiB:.1f} | {v.measured_peak_bytes / KiB:.1f} | "
                   f"{100 * err:+.3f}% | {'yes' if v.measured_peak_bytes <= budget else 'NO'} | "
-                  f"{v.max_grad_rel_err:.1e} |")
+                  f"{v.max_grad_rel_err:.1e} | {small} |")
     print(f"\nlargest |predicted - measured| / measured: {100 * worst:.3f}%; "
           f"{time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _smaller_batch(case, amp, budget: int):
+    """The planned model's step on the case's smaller batch (under the same autocast): its
+    measured peak, then, once the caller has removed the plan, the unplanned step's loss and
+    gradients compared with the planned one's. Returns the cell, or a callable that makes it
+    after the removal."""
+    from planner.api import _one_step
+    from planner.capture.record import default_loss
+    from planner.measurement import measure
+
+    loss_fn = case.loss_fn or default_loss
+    try:
+        l1, g1 = _one_step(case.model, case.small_inputs, loss_fn, autocast=amp)
+        peak = measure(case.model, case.small_inputs, loss_fn, repeats=1,
+                       autocast=amp).peak_bytes
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return f"RAISES {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+    def cell() -> str:
+        l0, g0 = _one_step(case.model, case.small_inputs, loss_fn, autocast=amp)
+        same = g0.keys() == g1.keys() and torch.allclose(l1, l0, rtol=1e-5, atol=1e-6) and all(
+            torch.allclose(g1[k], g0[k], rtol=1e-5, atol=1e-6) for k in g0)
+        fits = "within budget" if peak <= budget else "OVER BUDGET"
+        return f"{peak / KiB:.1f}, {fits}, {'equal' if same else 'GRADS DIFFER'}"
+
+    return cell
 
 
 if __name__ == "__main__":
