@@ -82,9 +82,10 @@ def call_blockers(rec: Recording) -> list[str]:
                       "a region the generators its modules hold, so a replay would draw other "
                       "numbers than forward did")
         if not reason and c.module in again:
-            reason = ("its forward runs again during backward (a custom autograd Function "
-                      "recomputes it, as reversible layers do): a region would checkpoint that "
-                      "call too, which the planner does not model")
+            reason = ("its forward runs again during backward (recomputed there by a custom "
+                      "autograd Function, as reversible layers do, or by torch's checkpoint in "
+                      "the model's own code): a region would checkpoint that call too, which "
+                      "the planner does not model")
         if not reason and c.reseeds:
             reason = ("seeds torch's random generator in its forward (torch.seed() or "
                       "torch.manual_seed): a replay would seed it again, from a new seed where "
