@@ -50,9 +50,9 @@ def call_blockers(rec: Recording) -> list[str]:
       did, and nothing would notice (the shapes agree). A call that seeds it with
       ``torch.manual_seed`` looks the same to the recorder and is blocked too.
     - A module whose forward also runs during backward (a custom autograd Function that
-      recomputes it there, as Reformer's reversible layers do): a region on it would
-      checkpoint that call in backward too, which the cost model does not follow (measured on
-      Reformer, the plan peaked above its prediction and its budget).
+      recomputes it there, as Reformer's reversible layers do, or torch's checkpoint in the
+      model's own code): a region on it would checkpoint that call in backward too, which the
+      cost model does not follow.
     - A tensor with an autograd graph left in a plain attribute of a module inside the call,
       where ops behind it that save tensors never run backward (an attention map kept for
       inspection): its nodes keep the checkpoint's frame, and with it what the replay

@@ -326,12 +326,13 @@ class Recording:
     graph in a plain attribute of its module (the op: the call's last; the storage: the
     tensor's, -1 if unknown)."""
     attribute_rereads: list[tuple[int, str]] = field(default_factory=list)
-    called_in_backward: list[str] = field(default_factory=list)
-    """Modules whose forward also ran during backward: a custom autograd Function recomputing
-    them there (Reformer's reversible layers rebuild their inputs from their outputs)."""
     """(op, ``module.attribute``) where a forward op read the tensor a plain attribute of a
     module held as the module's call started, and the attribute holds another by the step's
     end (Transformer-XL's memory: read, then replaced by this segment's)."""
+    called_in_backward: list[str] = field(default_factory=list)
+    """Modules whose forward also ran during backward: recomputed there by a custom autograd
+    Function (Reformer's reversible layers rebuild their inputs from their outputs) or by
+    torch's checkpoint in the model's own code."""
     rows: dict[int, int] = field(default_factory=dict)
     """Op index -> first dimension of its tensor, for parameters and the ops holding their
     gradients (`solvers.profile.Node.rows`: FSDP2 shards along it)."""
@@ -1171,7 +1172,7 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
 @contextlib.contextmanager
 def _called_in_backward(rec: _Recorder, model: torch.nn.Module) -> Iterator[None]:
     """Notes in `rec.called_in_backward` the model's modules whose forward runs during backward
-    (a custom autograd Function recomputing them)."""
+    (a custom autograd Function, or torch's checkpoint in the model's code, recomputing them)."""
     names = {id(m): n for n, m in model.named_modules()}
 
     def hook(mod: torch.nn.Module, _args: Any) -> None:

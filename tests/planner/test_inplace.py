@@ -1107,9 +1107,9 @@ def test_a_call_that_seeds_torchs_generator_is_not_a_region():
 def test_modules_a_reversible_backward_runs_again_are_not_regions():
     """Reformer's reversible layers run their attention and feed-forward modules again in
     backward, inside a custom autograd Function, to rebuild each layer's input: a region on
-    one of them checkpoints that call too, which the planner does not model (a feed-forward
-    region was chosen at the smallest peak, and the plan measured over it). Those calls are
-    blocked, as are the layers (each seeds torch's generator with `torch.seed()`)."""
+    one of them checkpoints that call too, which the planner does not model (feed-forward
+    regions were chosen at the smallest peak). Those calls are blocked, as are the layers
+    (each seeds torch's generator with `torch.seed()`)."""
     from transformers import ReformerConfig, ReformerModelWithLMHead
 
     torch.manual_seed(0)
