@@ -114,11 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.families:
         for amp in (None, torch.bfloat16):
             print(probe(name, amp), flush=True)
-            rows.append(schedule_fuzz.fuzz(name, args.trials, 7, details, autocast=amp)
-                        .replace(f"| {name} |", f"| {name} {'bf16' if amp else 'fp32'} |", 1))
-    print(f"\n| model | schedules measured | failed to run | differ by > "
-          f"{schedule_fuzz.EQUAL_BYTES} B | under | worst under B | worst over B | s |")
-    print("|---|---|---|---|---|---|---|---|")
+            rows.append(schedule_fuzz.dtype_row(name, args.trials, details, amp))
+    print("\n" + schedule_fuzz.HEADER)
     print("\n".join(rows))
     if details:
         print("\n" + "\n".join(details))

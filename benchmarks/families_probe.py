@@ -501,17 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.families:
         for amp in (None,) if args.fp32_only else (None, torch.bfloat16):
             print(probe(name, amp), flush=True)
-            if not args.trials:
-                continue
-            try:
-                row = schedule_fuzz.fuzz(name, args.trials, 7, details, autocast=amp)
-            except Exception as e:  # noqa: BLE001 - reported as the row
-                row = f"| {name} | raises {type(e).__name__}: {str(e).splitlines()[0][:100]} |"
-            rows.append(row.replace(f"| {name} |", f"| {name} {'bf16' if amp else 'fp32'} |", 1))
+            if args.trials:
+                rows.append(schedule_fuzz.dtype_row(name, args.trials, details, amp))
     if rows:
-        print(f"\n| model | schedules measured | failed to run | differ by > "
-              f"{schedule_fuzz.EQUAL_BYTES} B | under | worst under B | worst over B | s |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n" + schedule_fuzz.HEADER)
         print("\n".join(rows))
     if details:
         print("\n" + "\n".join(details))

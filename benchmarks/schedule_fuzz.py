@@ -104,6 +104,22 @@ def fuzz(name: str, trials: int, seed: int, out: list[str], autocast=None) -> st
             f"{time.perf_counter() - t0:.0f} |")
 
 
+HEADER = (f"| model | schedules measured | failed to run | differ by > {EQUAL_BYTES} B | "
+          "under | worst under B | worst over B | s |\n|---|---|---|---|---|---|---|---|")
+"""The header of the table `fuzz` gives the rows of."""
+
+
+def dtype_row(name: str, trials: int, out: list[str], autocast=None) -> str:
+    """`fuzz`'s row for `name`, the model named with its dtype, or a row saying what raised
+    (for the probes that run it on each model in fp32 and under autocast)."""
+    dtype = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[autocast]
+    try:
+        row = fuzz(name, trials, 7, out, autocast=autocast)
+    except Exception as e:  # noqa: BLE001 - reported as the row
+        row = f"| {name} | raises {type(e).__name__}: {str(e).splitlines()[0][:100]} |"
+    return row.replace(f"| {name} |", f"| {name} {dtype} |", 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help="cases (default: the zoo's and outside_zoo's)")
@@ -119,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in known]
     if unknown:
         ap.error(f"unknown cases {unknown}; known: {known}")
-    print(f"| model | schedules measured | failed to run | differ by > {EQUAL_BYTES} B | "
-          "under | worst under B | worst over B | s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(HEADER)
     details: list[str] = []
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.autocast]
     for name in names:
