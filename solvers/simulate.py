@@ -511,32 +511,24 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                 a = r.nodes[0]
                 extra_alloc[a] = extra_alloc.get(a, 0) + g.rng_state_bytes
                 extra_free[r.bw_end] = extra_free.get(r.bw_end, 0) + g.rng_state_bytes
-        # A region none of whose ops runs backward (over an output the loss does not use)
-        # never replays, but its checkpoint stashed the RNG state in forward; the frame lives
-        # while the region's autograd graph does (`GraphIndex.dead_ends`).
-        dead = g.dead_ends()
-        for r in regions if dead else ():
-            i, j = g.name_to_i[r.start], g.name_to_i[r.end]
-            span = [k for k in range(i, j + 1) if g.phase[k] == "forward"]
-            if span and all(k in dead for k in span) and any(g.random[k] for k in span):
-                extra_alloc[span[0]] = extra_alloc.get(span[0], 0) + g.rng_state_bytes
-                end = max(dead[k] for k in span)
-                extra_free[end] = extra_free.get(end, 0) + g.rng_state_bytes
-    # A region none of whose ops runs backward: its frame keeps the region's inputs where its
-    # ops pack anything for backward (the packed tensors' hooks hold the frame), as long as
-    # that autograd graph lives (a layer whose output the model returns and the loss ignores).
+    # A region none of whose ops runs backward (over an output the loss does not use) never
+    # replays, but its checkpoint stashed the RNG state in forward, and where its ops pack
+    # anything for backward (the packed tensors' hooks hold the frame) its frame keeps the
+    # region's inputs: while the region's autograd graph lives (`GraphIndex.dead_ends`).
     dead = g.dead_ends()
     for r in regions if dead else ():
         i, j = g.name_to_i[r.start], g.name_to_i[r.end]
-        span = [k for k in range(i, j + 1) if g.phase[k] == "forward"]
-        info = g.spans.get((i, j))
-        if not span or info is None or not all(k in dead for k in span) \
-                or not any(g.saves[k] for k in span):
+        nodes, _, inputs = g.spans[(i, j)][:3]  # filled by `_resolve`
+        if not nodes or not all(k in dead for k in nodes):
             continue
-        end = max(dead[k] for k in span)
-        for s in info[2]:
-            if s not in g.fixed_storages and end > last[s]:
-                last[s] = end
+        end = max(dead[k] for k in nodes)
+        if g.rng_state_bytes and any(g.random[k] for k in nodes):
+            extra_alloc[nodes[0]] = extra_alloc.get(nodes[0], 0) + g.rng_state_bytes
+            extra_free[end] = extra_free.get(end, 0) + g.rng_state_bytes
+        if any(g.saves[k] for k in nodes):
+            for s in inputs:
+                if s not in g.fixed_storages and end > last[s]:
+                    last[s] = end
 
     if not timeline:
         return _sweep(g, last, held, replay_at, replay_ops, replay_freed, extra_alloc,
