@@ -312,6 +312,7 @@ def to_profile(
                     s in r.saves and s != r.storage for s in r.writes),
                 releases=tuple(sorted(r.releases)),
                 no_grad_storages=tuple(r.no_grad_storages),
+                detached_reads=tuple(r.detached_reads),
                 rows=rec.rows.get(len(nodes), 0),
             )
         )

@@ -40,6 +40,8 @@ class GraphIndex:
         self.sbytes = list(p.storage_bytes)
         self.new = [list(nd.new_storages) for nd in nodes]
         self.no_grad = [nd.no_grad_storages for nd in nodes]
+        self.detached = [frozenset(nd.detached_reads) for nd in nodes]
+        """Storages each forward node read without an autograd edge (`Node.detached_reads`)."""
         self.fixed_storages = {
             s for i, nd in enumerate(nodes) if nd.phase in FIXED_PHASES for s in nd.new_storages
         }
@@ -221,7 +223,9 @@ class GraphIndex:
         reaches it: its outputs and, recursively, those of the nodes after it that did not run
         backward either, each until its last reader or until the model's code drops it; and
         as long as a node that read one of its outputs and ran backward, until that backward
-        ran. Integer and boolean outputs (`Node.no_grad_storages`) have no `grad_fn`: they do
+        ran; a read through a tensor that does not require grad (`Node.detached_reads`: DoRA's
+        weight norm, computed from a detached copy of the adapter's weight) holds no edge.
+        Integer and boolean outputs (`Node.no_grad_storages`) have no `grad_fn`: they do
         not keep it alive (`topk`'s indices, read until backward by the ops they index)."""
         end = self.dead_ends()
         return {f: end[f] for f in self.forward if self.saves[f] and f in end}
@@ -239,7 +243,7 @@ class GraphIndex:
         for i, r in enumerate(self.reads):
             for s in r:
                 death[s] = i
-                if self.phase[i] == "forward":
+                if self.phase[i] == "forward" and s not in self.detached[i]:
                     readers.setdefault(s, []).append(i)
         for s, i in self.release.items():
             death[s] = max(death.get(s, -1), i)

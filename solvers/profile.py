@@ -126,12 +126,18 @@ class Node:
     """Storages whose last reference held by the model's code (not by autograd) died right after
     this node ran. A storage no node releases dies after its last reader."""
     no_grad_storages: tuple[int, ...] = ()
+    """Forward nodes: storages of `new_storages` holding integer or boolean outputs (`topk`'s
+    indices), which have no `grad_fn`: they do not keep this node's autograd node alive."""
+    detached_reads: tuple[int, ...] = ()
+    """Forward nodes: storages the op read only through tensors that do not require grad (a
+    ``detach``ed alias, a value computed from one) or with grad mode off. Its autograd node
+    holds no edge to their makers' nodes, so it does not keep a node that never runs backward
+    alive (`GraphIndex.dead_ends`). Empty where unknown (profiles saved before it was
+    recorded): every read is then taken to hold one."""
     rows: int = 0
     """Parameters, and the backward nodes holding their gradients (`Profile.grads`): the size of
     the tensor's first dimension, along which FSDP2 shards it, padding it to a multiple of the
     ranks (`solvers.distributed.per_rank`); 0 where unknown or a scalar."""
-    """Forward nodes: storages of `new_storages` holding integer or boolean outputs (`topk`'s
-    indices), which have no `grad_fn`: they do not keep this node's autograd node alive."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -422,7 +428,7 @@ class Profile:
                 )
             kw = {k: tuple(v) if isinstance(v, list) else v for k, v in nd.items()}
             for key in ("inputs", "new_storages", "saves", "releases", "no_grad_storages",
-                        "storage_parts"):
+                        "storage_parts", "detached_reads"):
                 if key in kw and not isinstance(kw[key], tuple):
                     raise ProfileError(
                         f"{source}: nodes[{i}] ({nd['name']!r}): field {key!r} is "
@@ -614,7 +620,7 @@ def _validate(p: Profile) -> None:
                                "among the storages it allocates (new_storages)")
         if n.storage_parts and n.storage is None:
             raise ProfileError(f"{where}: storage_parts without a storage")
-        for s in (*n.new_storages, *n.saves, *n.releases, *n.storage_parts,
+        for s in (*n.new_storages, *n.saves, *n.releases, *n.storage_parts, *n.detached_reads,
                   *(() if n.storage is None else (n.storage,))):
             if not _is_count(s) or s >= n_st:
                 raise ProfileError(

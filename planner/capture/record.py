@@ -227,6 +227,9 @@ class OpRecord:
     """Storages whose last reference (autograd's saved copies aside) died after this op."""
     no_grad_storages: list[int] = field(default_factory=list)
     """Forward ops: storages of `new_storages` holding integer or boolean outputs."""
+    detached_reads: list[int] = field(default_factory=list)
+    """Forward ops: storages read only through tensors that do not require grad, or with grad
+    mode off (`solvers.profile.Node.detached_reads`)."""
     workspace_bytes: int = 0
     """Bytes the op allocated and freed again while it ran (measured on CPU)."""
     view: bool = False
@@ -279,6 +282,18 @@ class StorageRef:
     """A tensor's storage id in `ModuleCall.mirror`."""
 
     sid: int
+
+
+def _detached_reads(in_tensors: list[torch.Tensor], in_sids: list) -> list[int]:
+    """`OpRecord.detached_reads`: an input's ``requires_grad`` is seen here, below autograd, as
+    the op's autograd node will see it (a ``detach``ed alias of a tensor that requires grad
+    does not)."""
+    grad = torch.is_grad_enabled()
+    held: set[int] = set()
+    free: set[int] = set()
+    for t, s in zip(in_tensors, in_sids, strict=True):
+        (held if grad and t.requires_grad else free).update(s if isinstance(s, list) else (s,))
+    return sorted(free - held)
 
 
 @dataclass(frozen=True)
@@ -813,6 +828,7 @@ class _Recorder(TorchDispatchMode):
             view=is_view(func),
             dtype=_compute_dtype(in_tensors, out),
             grad_mode=torch.is_grad_enabled(),
+            detached_reads=_detached_reads(in_tensors, in_sids) if self.phase == "forward" else [],
         )
         if (self.phase == "backward" and rec.op in _COMPLIANT_OUT_OF_PLACE and args
                 and isinstance(args[0], torch.Tensor)):

@@ -1505,6 +1505,41 @@ def test_what_a_node_that_never_runs_backward_saved_dies_with_its_float_outputs(
     assert abs(predicted - measured) <= 64, (predicted, measured)
 
 
+class _NormedAdapter(nn.Module):
+    """DoRA's pattern (`peft`'s `DoraLinearLayer`): the adapter's weight is built by running its
+    layers on an identity matrix, and only a detached copy of it feeds the weight norm that
+    scales the output. The identity and what the first layer made are saved by a graph that
+    nothing reaches: it dies with the weight, at the end of the call; the division that runs
+    backward reads the norm, which holds no edge to it."""
+
+    def __init__(self, d: int = 256, r: int = 8):
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.a, self.b = nn.Linear(d, r, bias=False), nn.Linear(r, d, bias=False)
+        self.magnitude = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        weight = self.b(self.a(torch.eye(self.a.in_features))).T
+        norm = (self.base.weight + weight.detach()).norm(dim=1)
+        return self.base(x) * (self.magnitude / norm) + self.b(self.a(x))
+
+
+def test_a_read_through_a_detached_copy_does_not_keep_a_dead_graph_alive():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_NormedAdapter(), _NormedAdapter()).train(), torch.randn(4, 256)
+    prof = profile(model, x, repeats=1)
+    eye = [s for n in prof.nodes if n.op == "aten.eye.default" for s in n.new_storages]
+    assert len(eye) == 2 and all(any(s in n.saves for n in prof.nodes) for s in eye)
+    assert any(n.detached_reads for n in prof.nodes if n.op == "aten.add.Tensor")
+    torch.manual_seed(0)
+    predicted, measured = simulate(prof).peak_bytes, measure(model, x, repeats=1).peak_bytes
+    assert abs(predicted - measured) <= 64, (predicted, measured)
+    # without the field (a profile saved before it), each identity is held to backward
+    old = dataclasses.replace(prof, nodes=[dataclasses.replace(n, detached_reads=())
+                                           for n in prof.nodes])
+    assert simulate(old).peak_bytes >= measured + sum(prof.storage_bytes[s] for s in eye)
+
+
 def _region_peaks(prof, model, x, modules):
     """Simulated step (`Simulation`) and measured peak of `model` on `x` with each of
     `modules`' calls a region."""
