@@ -315,7 +315,8 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
         pn = kept_parent(k)
         if pn >= 0:
             out[pn].idle += (call,)
-            if call[2]:
+            # one inside another call left out packs its arguments to that call's frame
+            if call[2] and parent_of.get(k, -1) == keys[pn]:
                 idle_calls.setdefault(pn, []).append(call[0])
     for r in out:
         r.depth = 0 if r.parent < 0 else out[r.parent].depth + 1
@@ -325,7 +326,10 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
         r = out[n]
         inner = {i for c in r.children for i in out[c].nodes}
         r.own = [i for i in r.nodes if i not in inner]
-        savers = [i for i in r.own if g.saves[i]]
+        # What a call left out saves goes to its own checkpoint's frame, not to this one: it
+        # neither extends this region's replay nor triggers it.
+        idle = {i for a, b, _ in r.idle for i in range(a, b + 1)}
+        savers = [i for i in r.own if g.saves[i] and i not in idle]
         calls = [out[c].nodes[0] for c in r.children] + idle_calls.get(n, [])
         if not calls:
             # The replay runs the region's ops up to the early stop (`solvers.chain.early_stops`);

@@ -603,6 +603,54 @@ def test_a_nested_region_that_never_replays_still_bounds_its_parents_replay():
     _exactly(prof, model, x, loss_fn, with_call, reference, "replay:mul")
 
 
+class _Pooler(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU())
+        self.out = torch.nn.Linear(1024, 64)
+
+    def forward(self, h):
+        return self.out(self.proj(h))
+
+
+class _PooledNet(torch.nn.Module):
+    """SigLIP's vision tower under its image classifier: the attention-pooling head runs in
+    every forward and its output is returned, but the classifier reads the mean of the tokens,
+    so the head's graph never runs backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                        torch.nn.Linear(256, 64))
+        self.pooler, self.cls = _Pooler(), torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.cls(h.mean(1)), self.pooler(h)
+
+
+def test_what_a_call_that_never_replays_saves_does_not_extend_its_parents_replay():
+    """The pooler's call, and its output layer's inside it, are regions that never replay.
+    What their ops save goes to their own checkpoints' frames, so the replay of the whole model
+    stops as the pooler's call saves its argument to the model's frame, before any of the
+    pooler's ops; and the output layer's call saves its argument to the pooler's frame, not the
+    model's. Counted as the model's own (saves, or a child's arguments), they ran its replay on
+    through the pooler's wide projection: predicted at that replay, above the measured peak."""
+    torch.manual_seed(0)
+    model, x = _PooledNet().train(), torch.randn(16, 64, 64)
+    targets = torch.randint(0, 10, (16,))
+
+    def loss_fn(out):
+        return torch.nn.functional.cross_entropy(out[0], targets)
+
+    reference = _grads(model, x, loss_fn)
+    prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
+    calls = {s.call.module: s for s in candidate_calls(prof) if s.segment is None}
+    for modules in (("", "pooler"), ("", "pooler", "pooler.out")):
+        regions = bind(prof, tuple(region(prof, calls[m].a, calls[m].b) for m in modules))
+        _exactly(prof, model, x, loss_fn, regions, reference, "gelu_1")
+
+
 def test_a_decoder_layer_split_in_two_runs_goes_below_per_block_on_llama():
     """The benchmark's Llama (`benchmarks/cpu_sizes.py`): with one layer's attention half a run
     nested in a run of the whole layer, the layer's replay keeps neither the attention's input
