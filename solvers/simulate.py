@@ -169,10 +169,13 @@ class _Reg:
     """Those of `buffers` its checkpoint copies as it starts, for the replay to start from."""
     random: bool = False
     """Whether a node in its span draws random numbers (its replay restores the RNG state)."""
-    idle: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    idle: tuple[tuple[int, int, tuple[int, ...], bool], ...] = ()
     """Regions nested in it, with no kept region between, that never replay and are left out
-    (`_resolve`): (first node, last node, tensor arguments) of each call, which still runs in
-    its replay."""
+    (`_resolve`): (first node, last node, tensor arguments, whether it draws random numbers)
+    of each call, which still runs in its replay."""
+    in_idle: frozenset[int] = frozenset()
+    """The nodes of those calls: what they save goes to their own checkpoints' frames, which
+    nothing unpacks, so this region's frame and replay keep none of it."""
     traced: tuple[tuple[int, int, list[int], list[int]], ...] = ()
     """The calls that run their generated code under the schedule (`_traced_calls`: the call
     a run of stages is part of, and any such call in its span), each as (first node, last
@@ -270,14 +273,15 @@ def _resolve(p: Profile, regions: tuple[Region, ...]) -> list[_Reg]:
     # Its checkpoint still runs in its parent's replay, saving its tensor arguments to the
     # parent's frame as it starts: the parent's replay stops there at the earliest.
     keep = [k for _, _, k in spans]
-    left: list[tuple[int, tuple[int, int, tuple[int, ...]]]] = []  # those left out: `_Reg.idle`
+    left: list[tuple[int, tuple[int, int, tuple[int, ...], bool]]] = []  # `_Reg.idle` entries
     while True:
         out = _forest(g, stop, [raw[k] for k in keep], keep, parent_of, left)
         idle = {keep[n] for n, r in enumerate(out) if r.trigger < 0}
         if not idle:
             return out
         left += [(k, (raw[k].nodes[0], raw[k].nodes[-1],
-                      tuple(sorted(raw[k].inputs - set(raw[k].holds))))) for k in idle]
+                      tuple(sorted(raw[k].inputs - set(raw[k].holds))), raw[k].random))
+                 for k in idle]
         keep = [k for k in keep if k not in idle]
 
 
@@ -328,8 +332,8 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
         r.own = [i for i in r.nodes if i not in inner]
         # What a call left out saves goes to its own checkpoint's frame, not to this one: it
         # neither extends this region's replay nor triggers it.
-        idle = {i for a, b, _ in r.idle for i in range(a, b + 1)}
-        savers = [i for i in r.own if g.saves[i] and i not in idle]
+        r.in_idle = frozenset(i for a, b, *_ in r.idle for i in range(a, b + 1))
+        savers = [i for i in r.own if g.saves[i] and i not in r.in_idle]
         calls = [out[c].nodes[0] for c in r.children] + idle_calls.get(n, [])
         if not calls:
             # The replay runs the region's ops up to the early stop (`solvers.chain.early_stops`);
@@ -447,14 +451,14 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         reference, `ModuleCall.holds`, bytes of its buffer snapshot, last node, its tensor
         arguments): their checkpoint calls run again inside k's replay, those left out
         (`_Reg.idle`) too."""
-        out = [(a, False, (), 0, b, args) for a, b, args in regs[k].idle]
+        out = [(a, rand, (), 0, b, args) for a, b, args, rand in regs[k].idle]
         todo = list(regs[k].children)
         while todo:
             d = todo.pop()
             todo.extend(regs[d].children)
             out.append((regs[d].nodes[0], regs[d].random, regs[d].holds, snapshot(d),
                         regs[d].nodes[-1], tuple(sorted(handed(d)))))
-            out += [(a, False, (), 0, b, args) for a, b, args in regs[d].idle]
+            out += [(a, rand, (), 0, b, args) for a, b, args, rand in regs[d].idle]
         return regs[k].random, sorted(out)
 
     recompute_ms = 0.0
@@ -675,6 +679,8 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     """
     hold: dict[int, int] = {}  # storages this replay keeps for backward, until when
     for i in r.own:
+        if i in r.in_idle:
+            continue
         for s in g.saves[i]:
             if s in r.produced and i in g.bw_end:
                 hold[s] = max(hold.get(s, -1), g.apply_end[i])
@@ -738,10 +744,11 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     # A replayed op that never runs backward (its output does not reach the loss) keeps what
     # it saves while its replayed autograd node lives, as in forward: the replay's pack hook
     # hands the tensor back to the node whether or not the frame wants it. Inside a nested
-    # region's call the new frame's hook packs it instead, and nothing keeps it.
+    # region's call (one left out too) the new frame's hook packs it instead, and nothing
+    # keeps it.
     dead = g.dead_saver_ends()
     if dead and ran:
-        own = set(r.own)
+        own = set(r.own) - r.in_idle
         for i in ran:
             e = dead.get(i)
             if e is None or i not in own or i in r.saved:

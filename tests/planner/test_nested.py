@@ -651,6 +651,45 @@ def test_what_a_call_that_never_replays_saves_does_not_extend_its_parents_replay
         _exactly(prof, model, x, loss_fn, regions, reference, "gelu_1")
 
 
+class _SideBranch(torch.nn.Module):
+    """CANINE under a classification head: the final character encoder runs every forward and
+    its output is returned, but the loss reads the pooled molecules, so that branch's graph
+    never runs backward; ops of it that save tensors come before and after its attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                        torch.nn.Linear(256, 64))
+        self.side_in, self.side_out = torch.nn.Linear(64, 64), torch.nn.Linear(1024, 64)
+        self.side = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(),
+                                        torch.nn.Dropout(0.1))
+        self.cls = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.cls(h.mean(1)), self.side_out(self.side(self.side_in(h)))
+
+
+def test_a_replay_through_a_call_that_never_replays_keeps_none_of_its_saves():
+    """The model's replay runs to the side branch's last op that saves (its output layer),
+    through the call of `side`, a region that never replays: that call's checkpoint runs
+    again, stashing the RNG state for its dropout, and packs what its ops save into its own
+    frame, which keeps none of it. Counted as the replay's own, the linear's input, the GELU's
+    and the dropout's mask were held: predicted at that replay, above the measured peak."""
+    torch.manual_seed(0)
+    model, x = _SideBranch().train(), torch.randn(16, 64, 64)
+    targets = torch.randint(0, 10, (16,))
+
+    def loss_fn(out):
+        return torch.nn.functional.cross_entropy(out[0], targets)
+
+    reference = _grads(model, x, loss_fn)
+    prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
+    calls = {s.call.module: s for s in candidate_calls(prof) if s.segment is None}
+    regions = bind(prof, tuple(region(prof, calls[m].a, calls[m].b) for m in ("", "side")))
+    _exactly(prof, model, x, loss_fn, regions, reference, "replay:mul")
+
+
 def test_a_decoder_layer_split_in_two_runs_goes_below_per_block_on_llama():
     """The benchmark's Llama (`benchmarks/cpu_sizes.py`): with one layer's attention half a run
     nested in a run of the whole layer, the layer's replay keeps neither the attention's input
