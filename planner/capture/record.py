@@ -766,6 +766,7 @@ class _Recorder(TorchDispatchMode):
                 in_cdata[t.untyped_storage()._cdata] = s
         if self.fake:
             in_cdata.update(_fake_counterparts(in_tensors, in_sids))
+        detached = _detached_reads(in_tensors, in_sids) if self.phase == "forward" else []
         in_sids = [k for s in in_sids for k in (s if isinstance(s, list) else (s,))]
         outs = out if isinstance(out, tuple | list) else (out,)
         out_sids: list[int | None] = []
@@ -828,7 +829,7 @@ class _Recorder(TorchDispatchMode):
             view=is_view(func),
             dtype=_compute_dtype(in_tensors, out),
             grad_mode=torch.is_grad_enabled(),
-            detached_reads=_detached_reads(in_tensors, in_sids) if self.phase == "forward" else [],
+            detached_reads=detached,
         )
         if (self.phase == "backward" and rec.op in _COMPLIANT_OUT_OF_PLACE and args
                 and isinstance(args[0], torch.Tensor)):
