@@ -480,25 +480,28 @@ def probe(name: str, amp: torch.dtype | None) -> str:
             f"{time.perf_counter() - t0:.0f} |")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("families", nargs="*", default=list(FAMILIES))
+def main(argv: list[str] | None = None, cases: dict[str, Callable[[], Case]] | None = None,
+         what: str = "family", doc: str = __doc__) -> int:
+    """Probe `cases` (the families above by default; `peft_probe.py` passes its adapters)."""
+    cases = FAMILIES if cases is None else cases
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("names", nargs="*", default=list(cases), metavar=what)
     ap.add_argument("-n", "--trials", type=int, default=6, help="schedules per model and dtype")
     ap.add_argument("--fp32-only", action="store_true", help="leave bf16 autocast out")
     args = ap.parse_args(argv)
-    unknown = [f for f in args.families if f not in FAMILIES]
+    unknown = [f for f in args.names if f not in cases]
     if unknown:
-        ap.error(f"unknown families {unknown}; known: {list(FAMILIES)}")
+        ap.error(f"unknown {what} {unknown}; known: {list(cases)}")
     warnings.filterwarnings("ignore")
     import transformers
 
     transformers.logging.set_verbosity_error()
-    for name in args.families:
-        OUTSIDE.setdefault(name, FAMILIES[name])
-    print("| family | kind | dtype | smallest peak | half way | s |")
+    for name in args.names:
+        OUTSIDE.setdefault(name, cases[name])
+    print(f"| {what} | kind | dtype | smallest peak | half way | s |")
     print("|---|---|---|---|---|---|")
     rows, details = [], []
-    for name in args.families:
+    for name in args.names:
         for amp in (None,) if args.fp32_only else (None, torch.bfloat16):
             print(probe(name, amp), flush=True)
             if args.trials:
