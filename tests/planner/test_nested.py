@@ -535,14 +535,11 @@ class _SideOutput(torch.nn.Module):
         return self.head(h).mean(1), self.norm(self.side(h) + h)
 
 
-def test_a_region_whose_ops_never_run_backward_keeps_its_inputs_while_its_graph_lives():
-    """A region on the dropout of an output the loss ignores never replays, but the mask it
-    packs holds its checkpoint's frame, and the frame its input, as long as that output's
-    graph lives: here past the norm after it. Counted freed after its last reader, the input
-    was missing from the prediction, which came out under the measured peak."""
-    torch.manual_seed(0)
-    model, x = _SideOutput().train(), torch.randn(16, 24, 32)
-    targets = torch.randint(0, 10, (16,))
+def _side_output_case(model, x):
+    """For a model returning (logits of 10 classes, an output the loss ignores): its loss on
+    random targets, the unplanned gradients, its profile, and a function making regions of
+    whole module calls by name."""
+    targets = torch.randint(0, 10, (x.shape[0],))
 
     def loss_fn(out):
         return torch.nn.functional.cross_entropy(out[0], targets)
@@ -550,8 +547,22 @@ def test_a_region_whose_ops_never_run_backward_keeps_its_inputs_while_its_graph_
     reference = _grads(model, x, loss_fn)
     prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
     calls = {s.call.module: s for s in candidate_calls(prof) if s.segment is None}
-    regions = bind(prof, (region(prof, calls["side.1"].a, calls["side.1"].b),))
-    _check(prof, model, x, loss_fn, regions, reference, within=1024)
+
+    def regions(*modules):
+        return bind(prof, tuple(region(prof, calls[m].a, calls[m].b) for m in modules))
+
+    return loss_fn, reference, prof, regions
+
+
+def test_a_region_whose_ops_never_run_backward_keeps_its_inputs_while_its_graph_lives():
+    """A region on the dropout of an output the loss ignores never replays, but the mask it
+    packs holds its checkpoint's frame, and the frame its input, as long as that output's
+    graph lives: here past the norm after it. Counted freed after its last reader, the input
+    was missing from the prediction, which came out under the measured peak."""
+    torch.manual_seed(0)
+    model, x = _SideOutput().train(), torch.randn(16, 24, 32)
+    loss_fn, reference, prof, regions = _side_output_case(model, x)
+    _check(prof, model, x, loss_fn, regions("side.1"), reference, within=1024)
 
 
 class _Sum(torch.nn.Module):
@@ -638,17 +649,9 @@ def test_what_a_call_that_never_replays_saves_does_not_extend_its_parents_replay
     through the pooler's wide projection: predicted at that replay, above the measured peak."""
     torch.manual_seed(0)
     model, x = _PooledNet().train(), torch.randn(16, 64, 64)
-    targets = torch.randint(0, 10, (16,))
-
-    def loss_fn(out):
-        return torch.nn.functional.cross_entropy(out[0], targets)
-
-    reference = _grads(model, x, loss_fn)
-    prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
-    calls = {s.call.module: s for s in candidate_calls(prof) if s.segment is None}
+    loss_fn, reference, prof, regions = _side_output_case(model, x)
     for modules in (("", "pooler"), ("", "pooler", "pooler.out")):
-        regions = bind(prof, tuple(region(prof, calls[m].a, calls[m].b) for m in modules))
-        _exactly(prof, model, x, loss_fn, regions, reference, "gelu_1")
+        _exactly(prof, model, x, loss_fn, regions(*modules), reference, "gelu_1")
 
 
 class _SideBranch(torch.nn.Module):
@@ -678,16 +681,8 @@ def test_a_replay_through_a_call_that_never_replays_keeps_none_of_its_saves():
     and the dropout's mask were held: predicted at that replay, above the measured peak."""
     torch.manual_seed(0)
     model, x = _SideBranch().train(), torch.randn(16, 64, 64)
-    targets = torch.randint(0, 10, (16,))
-
-    def loss_fn(out):
-        return torch.nn.functional.cross_entropy(out[0], targets)
-
-    reference = _grads(model, x, loss_fn)
-    prof = planner.profile(model, x, loss_fn=loss_fn, repeats=1)
-    calls = {s.call.module: s for s in candidate_calls(prof) if s.segment is None}
-    regions = bind(prof, tuple(region(prof, calls[m].a, calls[m].b) for m in ("", "side")))
-    _exactly(prof, model, x, loss_fn, regions, reference, "replay:mul")
+    loss_fn, reference, prof, regions = _side_output_case(model, x)
+    _exactly(prof, model, x, loss_fn, regions("", "side"), reference, "replay:mul")
 
 
 def test_a_decoder_layer_split_in_two_runs_goes_below_per_block_on_llama():
