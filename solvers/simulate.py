@@ -534,7 +534,9 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
             extra_alloc[nodes[0]] = extra_alloc.get(nodes[0], 0) + g.rng_state_bytes
             extra_free[end] = extra_free.get(end, 0) + g.rng_state_bytes
         if any(g.saves[k] for k in nodes):
-            for s in inputs:
+            # a selective region's cache of its saved ops' outputs lives in the same frame
+            cached = [s for name in r.saved for s in g.new[g.name_to_i[name]]]
+            for s in (*inputs, *cached):
                 if s not in g.fixed_storages and end > last[s]:
                     last[s] = end
 
