@@ -56,9 +56,12 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   what the innermost region saved, whose arguments the region around it saved): the outer
   replay runs first and returns before the inner one starts. A nested region that never
   replays (nothing it saves is read in backward) is left out, but its call still saves its
-  tensor arguments to the parent's frame as it starts: the parent's replay runs up to it. One
-  none of whose ops runs backward but that packs tensors keeps its frame, RNG state and
-  inputs, as long as its autograd graph lives.
+  tensor arguments to the parent's frame as it starts: the parent's replay runs up to it (one
+  left out inside another saves them to that one's frame). What its own ops save goes to its
+  own frame: it neither extends the parent's replay nor is held by it, and a replay running
+  through the call stashes the RNG state for it when it draws random numbers. One none of
+  whose ops runs backward but that packs tensors keeps its frame, RNG state and inputs, and a
+  selective one its cached outputs, as long as its autograd graph lives.
 - Under `torch.autocast`, a parameter cast to the lower precision is made by the first op that
   needs it and taken from autocast's cache by every later op of the same autocast block, until
   the block ends (`GraphIndex.autocast_casts`). A replay runs in an autocast block of its own:
