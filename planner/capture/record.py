@@ -232,6 +232,10 @@ class OpRecord:
     mode off (`solvers.profile.Node.detached_reads`)."""
     workspace_bytes: int = 0
     """Bytes the op allocated and freed again while it ran (measured on CPU)."""
+    rewrapped_bytes: int = 0
+    """Python numbers the op takes where its schema has a tensor (``h * 0.5``): a plain step
+    wraps them before the op runs, a step under the recorder's mode while it runs, so the
+    workspace measured under the mode holds them and `_measure_workspace` takes them out."""
     view: bool = False
     """The op returns a view of an input (its schema says the output aliases it, read-only)."""
     dtype: str = ""
@@ -496,6 +500,50 @@ def _dynamic_reason(func: Any) -> str:
     return ""
 
 
+_SAVES_SCALAR_OTHER = frozenset({
+    "aten.mul.Tensor", "aten.mul_.Tensor", "aten.div.Tensor", "aten.div_.Tensor",
+    "aten.div.Tensor_mode", "aten.div_.Tensor_mode"})
+"""Ops whose backward for `self` reads `other`, which autograd saves when `self` requires grad."""
+
+_WRAPPED_BYTES = {bool: 1, int: 8, float: 8, complex: 16}
+
+
+def _number_bytes(value: Any) -> int:
+    """Bytes of the 0-dim tensor torch wraps a Python number in (float64, int64, ...)."""
+    return 0 if isinstance(value, torch.Tensor) else _WRAPPED_BYTES.get(type(value), 0)
+
+
+def _rewrapped_bytes(func: Any, args: tuple, kwargs: dict) -> int:
+    """`OpRecord.rewrapped_bytes`: the numbers among the op's arguments typed ``Tensor``."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return 0
+    total = 0
+    for i, a in enumerate(schema.arguments):
+        if str(a.type) == "Tensor":
+            total += _number_bytes(args[i] if i < len(args) else kwargs.get(a.name))
+    return total
+
+
+def _saved_wrapped_number(func: Any, args: tuple, phase: str) -> int:
+    """Bytes of the number autograd saves for this op outside the saved-tensor hooks, else 0.
+
+    ``h * 0.5`` (PEFT's LoRA scaling, diffusers' ``/ rescale_output_factor``) passes the
+    Python number to `mul.Tensor` as a wrapped 0-dim CPU tensor (float64, int64, ...): the
+    dispatcher hands this mode a plain number, and autograd saves the tensor for the
+    backward of `h` without calling the pack hook (wrapped numbers never go through it). On
+    CPU it is memory of the step, held until that backward runs; on a GPU it is host memory
+    and costs the device nothing.
+    """
+    if (phase not in ("forward", "loss") or not torch.is_grad_enabled() or len(args) < 2
+            or op_name(func) not in _SAVES_SCALAR_OTHER):
+        return 0
+    this = args[0]
+    if not isinstance(this, torch.Tensor) or not this.requires_grad or this.device.type != "cpu":
+        return 0
+    return _number_bytes(args[1])
+
+
 _PASS_THROUGH = frozenset({"profiler", "prim"})
 """Op namespaces not recorded: the profiler's markers, and metadata queries (``prim.device``) that
 fake tensors dispatch."""
@@ -591,6 +639,9 @@ class _Recorder(TorchDispatchMode):
         self.in_place_op: int | None = None  # the last forward op, if it wrote in place
         self.packs: list[tuple[int, int]] = []  # (sequence number, storage id)
         self.release_at: dict[int, int] = {}
+        self.wrapped: dict[int, int] = {}
+        """Storage id -> the forward op whose node saves it: a number wrapped as a tensor that
+        autograd saves without the pack hook (`_saved_wrapped_number`)."""
         self.counts: dict[str, int] = {}
         self.placeholder_names: set[str] = set()
         self.fixed_kind: dict[int, str] = {}  # storage id -> "param"/"buffer"/"input"
@@ -795,6 +846,13 @@ class _Recorder(TorchDispatchMode):
                 parts.append(s)
             out_sids.append(parts[0])
             out_parts.append(parts[1:])
+        wrapped = _saved_wrapped_number(func, args, self.phase)
+        if wrapped:
+            s = len(self.storage_bytes)
+            self.storage_bytes.append(wrapped)
+            self.wrapped[s] = idx
+            new.append(s)
+            no_grad.append(s)
         packet = getattr(func, "overloadpacket", None)
         base = getattr(packet, "__name__", None) or op_name(func).split(".")[-1]
         writes = []
@@ -830,6 +888,7 @@ class _Recorder(TorchDispatchMode):
             dtype=_compute_dtype(in_tensors, out),
             grad_mode=torch.is_grad_enabled(),
             detached_reads=detached,
+            rewrapped_bytes=_rewrapped_bytes(func, args, kwargs),
         )
         if (self.phase == "backward" and rec.op in _COMPLIANT_OUT_OF_PLACE and args
                 and isinstance(args[0], torch.Tensor)):
@@ -1775,6 +1834,22 @@ def _rows(spec, rec: _Recorder, ops: list[OpRecord], grad_sids: list[int], owner
     return rows
 
 
+def _release_wrapped(rec: _Recorder) -> None:
+    """Where each saved wrapped number (`_Recorder.wrapped`) dies: with its node's saved
+    variables, as the node's formula returns (its last op but the engine's accumulations); a
+    node whose backward never ran dies with its output."""
+    if not rec.wrapped:
+        return
+    formula_end: dict[int, int] = {}
+    for j, r in enumerate(rec.ops):
+        if r.grad_of is not None and not r.accumulates:
+            formula_end[r.grad_of] = j
+    for sid, f in rec.wrapped.items():
+        out = rec.ops[f].storage
+        fallback = rec.release_at.get(out, len(rec.ops) - 1) if out is not None else len(rec.ops) - 1
+        rec.release_at[sid] = formula_end.get(f, fallback)
+
+
 def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes) -> Recording:
     """Placeholders first, then ops; record indices shifted accordingly; saves and releases."""
     n_ph = len(rec.placeholders)
@@ -1783,6 +1858,7 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
         return i + n_ph if i >= 0 else -1 - i  # placeholders: owner index -1 - k
 
     ops = rec.placeholders + rec.ops
+    _release_wrapped(rec)
     for r in rec.ops:
         r.inputs = [shift(i) for i in r.inputs]
         if r.grad_of is not None:
@@ -2111,11 +2187,9 @@ def _measure_workspace(spec: StepSpec, recording: Recording) -> None:
             for _, delta in sorted(allocations(e, [])):
                 cur += delta
                 peak = max(peak, cur)
-            ws = peak - max(cur, 0)
-            if ws > 0:
-                k = at.get(int(e.name.removeprefix("ckpt_op::")))
-                if k is not None:
-                    ops[k].workspace_bytes = ws
+            k = at.get(int(e.name.removeprefix("ckpt_op::")))
+            if k is not None:
+                ops[k].workspace_bytes = max(peak - max(cur, 0) - ops[k].rewrapped_bytes, 0)
         else:
             # the innermost engine scope above, or the node's own scope inside it
             inner = e.name if e.name.startswith(_EVALUATE) or (

@@ -1750,3 +1750,43 @@ def test_a_router_node_held_by_a_reader_that_ran_backward_is_kept_until_then():
     prof = profile(model, inputs, repeats=1)
     predicted, measured = simulate(prof).peak_bytes, measure(model, inputs, repeats=1).peak_bytes
     assert abs(predicted - measured) <= 64, (predicted, measured)
+
+
+class _ScaledAdapter(nn.Module):
+    """A frozen projection with a trainable low-rank branch scaled by a Python number, as
+    PEFT's LoRA adds it (``base(x) + up(down(x)) * scaling``), then divided by a Python
+    number, as diffusers' blocks do (``/ output_scale_factor``)."""
+
+    def __init__(self, width: int = 32, rank: int = 4):
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.down, self.up = nn.Linear(width, rank, bias=False), nn.Linear(rank, width, bias=False)
+
+    def forward(self, x):
+        return (self.base(x) + self.up(self.down(x)) * 2.0) / 1.5
+
+
+def test_numbers_autograd_saves_without_the_pack_hook_are_counted():
+    # `h * 2.0` and `h / 1.5` save the numbers as 8-byte CPU tensors for h's backward, and
+    # wrapped numbers bypass saved-tensor hooks: the recorder sees neither a tensor nor a pack.
+    torch.manual_seed(0)
+    # (the recorder's own dispatch wraps the numbers again while the op runs, which a plain
+    # step does not: kept out of the ops' measured workspace)
+    model = nn.Sequential(*[_ScaledAdapter() for _ in range(48)]).train()
+    x = torch.randn(256, 32)
+    prof = profile(model, x, repeats=1)
+    torch.manual_seed(0)
+    predicted, measured = simulate(prof).peak_bytes, measure(model, x, repeats=1).peak_bytes
+    assert abs(predicted - measured) <= 64, (predicted, measured)
+    wrapped = [s for n in prof.nodes for s in n.new_storages
+               if s != n.storage and n.op in ("aten.mul.Tensor", "aten.div.Tensor")]
+    assert len(wrapped) == 96 and {prof.storage_bytes[s] for s in wrapped} == {8}
+    # checkpointed, the nodes inside a region save them too; a replay saves them again
+    sim, measured = _region_peaks(prof, model, x, [str(i) for i in range(0, 48, 2)])
+    assert abs(sim.peak_bytes - measured) <= 64, (sim.peak_bytes, measured)
+    # a product that takes no gradient (the branch frozen, the base trained) saves nothing
+    flipped = _ScaledAdapter().requires_grad_(False)
+    flipped.base.requires_grad_(True)
+    prof = profile(flipped, x, repeats=1)
+    assert [n.op for n in prof.nodes for s in n.new_storages
+            if s != n.storage and n.op in ("aten.mul.Tensor", "aten.div.Tensor")] == ["aten.div.Tensor"]
