@@ -516,7 +516,37 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
             return None
         if n.op == "call_function" and n.target in (operator.setitem,):
             return None  # in-place Python writes into arguments
+    _read_metadata_only(graph)
     return StagedGraph(pattern, graph, sig, wrapped=slots is not None)
+
+
+_SHAPED_AS = {"view_as": "view", "expand_as": "expand", "reshape_as": "reshape"}
+
+
+def _read_metadata_only(graph: fx.Graph) -> None:
+    """Rewrite ``x.type_as(y)`` as ``x.to(device=y.device, dtype=y.dtype)`` and ``x.view_as(y)``
+    (``expand_as``, ``reshape_as``) as ``x.view(y.size())``, as ATen itself defines them: the
+    rewritten nodes read only ``y``'s metadata (`_is_meta`), so a run that ends in Gemma's
+    ``.type_as(x)`` or Wan's ``.type_as(control_hidden_states)`` is passed the dtype
+    (`StagedGraph.hoisted`), not the tensor, which its checkpoint would hold until its backward
+    though none of its ops reads it."""
+    for n in list(graph.nodes):
+        if (n.op != "call_method" or len(n.args) != 2 or n.kwargs
+                or not isinstance(n.args[1], fx.Node)):
+            continue
+        x, y = n.args
+        with graph.inserting_before(n):
+            if n.target == "type_as":
+                device = graph.call_function(getattr, (y, "device"))
+                dtype = graph.call_function(getattr, (y, "dtype"))
+                new = graph.call_method("to", (x,), {"device": device, "dtype": dtype})
+            elif n.target in _SHAPED_AS:
+                new = graph.call_method(_SHAPED_AS[n.target], (x, graph.call_method("size", (y,))))
+            else:
+                continue
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        graph.erase_node(n)
 
 
 def _slots(sig: inspect.Signature, pattern: Pattern, forward: Callable[..., Any]
