@@ -755,6 +755,12 @@ class _Recorder(TorchDispatchMode):
         seq = torch.autograd._get_sequence_nr()
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
         in_tensors = _tensors((args, kwargs))
+        if (func is torch.ops.aten.lift_fresh.default and in_tensors
+                and id(in_tensors[0].untyped_storage()) not in self.sid_of):
+            # ``torch.tensor(data)`` in the model's code: made in this step (a tensor the model
+            # kept from its warm-up step would be known), so an allocation of this op, not a
+            # constant held before the step
+            in_tensors = []
         in_sids = [self.sid(t) if t.layout == torch.strided else self.sids(t) for t in in_tensors]
         if self.watched and self.phase == "forward":
             for t in in_tensors:
@@ -833,8 +839,7 @@ class _Recorder(TorchDispatchMode):
             for k, st in enumerate(storages_of(t)):
                 s = in_cdata.get(st._cdata)
                 if s is None and func is torch.ops.aten.lift_fresh.default and in_sids:
-                    # A constant made in the model's code (``torch.tensor(x)``) enters the
-                    # step: a real step returns the constant itself, fake tensors a fake copy.
+                    # a known tensor lifted: a real step returns it, fake tensors a fake copy
                     s = in_sids[0]
                 if s is None:
                     s = self._new_storage(st)

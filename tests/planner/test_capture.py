@@ -1752,6 +1752,42 @@ def test_a_router_node_held_by_a_reader_that_ran_backward_is_kept_until_then():
     assert abs(predicted - measured) <= 64, (predicted, measured)
 
 
+
+class _Standardise(nn.Module):
+    """Normalises by per-channel statistics written in the code (``torch.as_tensor(MEAN)``,
+    as VideoMAE's pre-training loss and image processors do): made afresh on every call, and
+    `std` saved by the division for backward."""
+
+    def __init__(self, channels: int = 2048):
+        super().__init__()
+        self.proj = nn.Linear(channels, channels)
+        self.mean = [0.1 * (i % 7) for i in range(channels)]
+        self.std = [1.0 + 0.01 * (i % 5) for i in range(channels)]
+
+    def forward(self, x):
+        mean, std = torch.as_tensor(self.mean), torch.as_tensor(self.std)
+        return (self.proj(x) - mean) / std
+
+
+def test_a_tensor_made_from_python_data_in_the_step_is_step_memory():
+    # ``torch.tensor(data)`` reaches the recorder only as ``lift_fresh`` of a tensor it never
+    # saw made: it is memory of this step (the warm-up step would have made a kept one known),
+    # not a constant held before the step, whose bytes `measure` adds to fixed memory
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Standardise() for _ in range(4)]).train()
+    x = torch.randn(2, 2048)
+    prof = profile(model, x, repeats=1)
+    assert prof.held_bytes == 0
+    made = [n for n in prof.nodes if n.op == "aten.lift_fresh.default"]
+    assert len(made) == 8 and all(prof.storage_bytes[n.storage] == 2048 * 4 for n in made)
+    predicted, measured = simulate(prof).peak_bytes, measure(model, x, repeats=1).peak_bytes
+    assert abs(predicted - measured) <= 64, (predicted, measured)
+    sim, measured = _region_peaks(prof, model, x, ["1", "2"])
+    assert abs(sim.peak_bytes - measured) <= 64, (sim.peak_bytes, measured)
+    fake = profile(model, x, mode="estimate", device=cpu_spec(measure=False))  # same storages
+    assert [n.op for n in fake.nodes] == [n.op for n in prof.nodes]
+    assert fake.held_bytes == 0 and simulate(fake).peak_bytes == simulate(prof).peak_bytes
+
 class _ScaledAdapter(nn.Module):
     """A frozen projection with a trainable low-rank branch scaled by a Python number, as
     PEFT's LoRA adds it (``base(x) + up(down(x)) * scaling``), then divided by a Python
