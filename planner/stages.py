@@ -401,7 +401,24 @@ def _code_of(src: str, filename: str) -> Any:
 def _segment_call(fn: Callable[..., Any], runner: Callable, i: int, j: int
                   ) -> Callable[..., Any]:
     def segment(*args: Any) -> Any:
-        return runner(fn, *args)
+        if not any(type(a) is tuple for a in args):
+            return runner(fn, *args)
+        # A tuple among the run's values (``torch.chunk``'s, indexed inside the run) would
+        # reach the checkpoint as an object, which its frame keeps by reference with the
+        # tensors in it: inside a checkpointed parent, for as long as this run's autograd
+        # graph lives, where its tensor arguments are saved to the parent's frame, which drops
+        # them. Passed element by element, each tuple is rebuilt inside the run.
+        sizes = [len(a) if type(a) is tuple else -1 for a in args]
+        flat = [x for a in args for x in (a if type(a) is tuple else (a,))]
+
+        def rebuilt(*given: Any) -> Any:
+            out, k = [], 0
+            for n in sizes:
+                out.append(given[k] if n < 0 else tuple(given[k:k + n]))
+                k += 1 if n < 0 else n
+            return fn(*out)
+
+        return runner(rebuilt, *flat)
 
     segment.__name__ = segment.__qualname__ = f"ckpt_segment_{i}_{j}"
     return segment

@@ -772,3 +772,68 @@ def test_a_replay_runs_the_generated_code_of_the_calls_inside_it():
     m = p.measure(repeats=1)
     planner.remove(case.model)
     assert abs(simulate(p.profile, regions).peak_bytes - m.peak_bytes) <= 1024
+
+
+class _GatedMLP(nn.Module):
+    """Zamba2's MLP: the sum's halves indexed where they are used (``state[0]`` in the
+    activation's call, ``state[1]`` in the product), so a run starting at the activation is
+    passed `torch.chunk`'s tuple, not its tensors."""
+
+    def __init__(self, d: int = 64, h: int = 128):
+        super().__init__()
+        self.gate_up, self.adapter = nn.Linear(d, 2 * h), nn.Linear(d, 2 * h, bias=False)
+        self.act, self.down = nn.GELU(), nn.Linear(h, d)
+
+    def forward(self, x):
+        state = torch.chunk(self.gate_up(x) + self.adapter(x), 2, dim=-1)
+        return self.down(self.act(state[0]) * state[1])
+
+
+class _SharedBlockLayer(nn.Module):
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(d), nn.Linear(d, d)
+        self.pre_ff_norm, self.feed_forward = nn.LayerNorm(d), _GatedMLP(d)
+
+    def forward(self, x):
+        h = F.dropout(self.attn(self.norm(x)), 0.1, self.training)
+        return self.feed_forward(self.pre_ff_norm(h))
+
+
+def test_a_run_nested_in_a_checkpointed_run_is_passed_a_tuples_tensors():
+    """A run of the layer's stages that calls the MLP, and inside it a run of the MLP from
+    its activation on: the inner run's argument is the chunk's tuple. Given as an object,
+    the inner checkpoint's frame kept it by reference (and the sum its halves view) until the
+    run's backward, though nested its tensor arguments go to the outer frame, which drops
+    them: the step measured the sum above the prediction. Now each tuple is passed element by
+    element and rebuilt inside the run: predicted = measured, gradients unchanged."""
+    from solvers.nested import _regions
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_SharedBlockLayer() for _ in range(3)]).train()
+    x = torch.randn(2, 32, 64)
+    loss0, want = loss_and_grads(model, x, seed=0)
+    p = planner.plan(model, None, example_inputs=x)
+    planner.remove(model)
+    prof = p.profile
+    pos = graph_index(prof).position
+    calls = {c.module: c for c in prof.calls}
+    assert calls["1"].stages and calls["1.feed_forward"].stages
+    spans = candidate_calls(prof)
+    outer = [s for s in spans if s.call.module == "1" and s.segment is not None
+             and s.a <= pos(calls["1.feed_forward"].start) and s.b >= pos(calls["1"].end)]
+    inner = [s for s in spans if s.call.module == "1.feed_forward" and s.segment is not None
+             and s.a == pos(calls["1.feed_forward.act"].start)]
+    assert outer and inner
+    for o in outer[:2]:
+        for i in inner:
+            regions = bind(prof, _regions(prof, [o, i]))
+            planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
+            try:
+                m = p.measure(repeats=1)
+                loss, got = loss_and_grads(model, x, seed=0)
+            finally:
+                planner.remove(model)
+            assert simulate(prof, regions).peak_bytes == m.peak_bytes
+            assert torch.equal(loss, loss0)
+            assert_grads_close(got, want)
