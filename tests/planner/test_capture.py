@@ -1752,7 +1752,6 @@ def test_a_router_node_held_by_a_reader_that_ran_backward_is_kept_until_then():
     assert abs(predicted - measured) <= 64, (predicted, measured)
 
 
-
 class _Standardise(nn.Module):
     """Normalises by per-channel statistics written in the code (``torch.as_tensor(MEAN)``,
     as VideoMAE's pre-training loss and image processors do): made afresh on every call, and
@@ -1787,6 +1786,7 @@ def test_a_tensor_made_from_python_data_in_the_step_is_step_memory():
     fake = profile(model, x, mode="estimate", device=cpu_spec(measure=False))  # same storages
     assert [n.op for n in fake.nodes] == [n.op for n in prof.nodes]
     assert fake.held_bytes == 0 and simulate(fake).peak_bytes == simulate(prof).peak_bytes
+
 
 class _ScaledAdapter(nn.Module):
     """A frozen projection with a trainable low-rank branch scaled by a Python number, as
