@@ -295,14 +295,17 @@ class StagedGraph:
         return self._io[key]
 
     def run(self, module: torch.nn.Module, args: tuple, kwargs: dict, *,
-            on_node: Callable[[int], None] | None = None) -> Any:
+            on_node: Callable[[int], None] | None = None,
+            on_result: Callable[[int, Any], None] | None = None) -> Any:
         """Run the forward node by node (the stage run of `planner.capture.record`), calling
-        `on_node(k)` before exec node k runs."""
+        `on_node(k)` before exec node k runs and `on_result(k, value)` after."""
         env = self._bind(module, args, kwargs)
         for k, node in enumerate(self.exec):
             if on_node is not None:
                 on_node(k)
             env[node] = _execute(node, env, module)
+            if on_result is not None:
+                on_result(k, env[node])
             for a in self.frees[k]:
                 env.pop(a, None)
         return fx.node.map_arg(self.output.args[0], lambda a: env[a])

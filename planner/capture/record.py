@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import itertools
 import random
 import statistics
 import sys
@@ -656,6 +657,10 @@ class _Recorder(TorchDispatchMode):
         self.foreign_hooks: dict[str, str] = {}
         """Module -> the saved-tensor pack hook the model's own code put above the recorder's
         (its own checkpointing or offloading), where a forward op ran under one."""
+        self.made_by: dict[int, tuple[int, int]] | None = None
+        """In the stage run (`_find_stages`) only: storage object (``id``, while it lives) ->
+        (light op index, position among the op's tensor outputs) of the op that first returned
+        it."""
 
     # -- storages -----------------------------------------------------------------------------
     def _released(self, key: int, sid: int) -> None:
@@ -803,10 +808,26 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.sync()
         self.times.append((time.perf_counter() - t0) * 1e3)
+        if self.made_by is not None:
+            self._note_made(out)
         self.names.append(op_name(func))
         self.grad_modes.append(torch.is_grad_enabled())
         self.phases.append(self.phase)
         return out
+
+    def _note_made(self, out: Any) -> None:
+        """`made_by` for the tensor outputs of the op about to be named (a view returns its
+        input's storage, already noted or not the step's)."""
+        made = self.made_by
+        outs = out if isinstance(out, tuple | list) else (out,)
+        for pos, t in enumerate(t for t in outs if isinstance(t, torch.Tensor)):
+            if t.layout != torch.strided:
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            if key not in made:
+                made[key] = (len(self.names), pos)
+                weakref.finalize(st, made.pop, key, None)
 
     def _record(self, func, args, kwargs, in_tensors, in_sids, out, seq, node) -> None:
         """`in_sids`: each input's storage id, or a sparse input's list of them."""
@@ -1984,10 +2005,12 @@ def _match(ops: list[OpRecord], names: list[str]) -> list[int | None] | None:
 
 class _StagingForward:
     """During the stage run: a module's forward run through its trace, noting the light
-    recorder's op count before each node."""
+    recorder's op count before each node, and for each node's tensor results the light op that
+    made each one's storage (`_Recorder.made_by`; None for one no op of the step made)."""
 
     def __init__(self, name: str, module: torch.nn.Module, rec: _Recorder,
-                 found: dict[str, tuple[Any, list[tuple[int, int]]]]):
+                 found: dict[str, tuple[Any, list[tuple[int, int]],
+                                        dict[int, list[tuple[int, int] | None]]]]):
         self.name, self.module, self.rec, self.found = name, module, rec, found
         self.orig = type(module).forward.__get__(module)
 
@@ -2003,10 +2026,17 @@ class _StagingForward:
         if sg is None:
             return self.orig(*args, **kwargs)
         marks: list[tuple[int, int]] = []
-        names = self.rec.names
-        out = sg.run(self.module, args, kwargs, on_node=lambda k: marks.append((k, len(names))))
+        made: dict[int, list[tuple[int, int] | None]] = {}
+        names, made_by = self.rec.names, self.rec.made_by or {}
+
+        def on_result(k: int, value: Any) -> None:
+            made[k] = [made_by.get(id(t.untyped_storage())) for t in _tensors(value)
+                       if t.layout == torch.strided]
+
+        out = sg.run(self.module, args, kwargs, on_node=lambda k: marks.append((k, len(names))),
+                     on_result=on_result)
         marks.append((len(sg.exec), len(names)))
-        self.found[self.name] = (sg, marks)
+        self.found[self.name] = (sg, marks, made)
         return out
 
 
@@ -2033,7 +2063,9 @@ def _find_stages(spec: StepSpec, recording: Recording) -> dict[str, Staged]:
         if not allowed:
             return {}
         rec = _Recorder(structure=False)
-        found: dict[str, tuple[Any, list[tuple[int, int]]]] = {}
+        rec.made_by = {}
+        found: dict[str, tuple[Any, list[tuple[int, int]],
+                               dict[int, list[tuple[int, int] | None]]]] = {}
         for name, m in allowed.items():
             m.__dict__["forward"] = _StagingForward(name, m, rec, found)
         try:
@@ -2052,7 +2084,7 @@ def _find_stages(spec: StepSpec, recording: Recording) -> dict[str, Staged]:
                if j is not None and rec.grad_modes[fwd_idx[j]] != fwd_ops[k].grad_mode]
         if not bad:
             break
-        spans = sorted(((marks[0][1], marks[-1][1], name) for name, (_, marks) in found.items()),
+        spans = sorted(((marks[0][1], marks[-1][1], name) for name, (_, marks, _) in found.items()),
                        key=lambda t: t[1] - t[0])
         culprits = {next((name for a, b, name in spans if a <= j < b), None) for j in bad}
         if None in culprits:
@@ -2077,8 +2109,22 @@ def _find_stages(spec: StepSpec, recording: Recording) -> dict[str, Staged]:
     for j in range(n_light - 1, -1, -1):
         nxt = first_at.get(j, nxt)
         at[j] = nxt
+    light_at = {j: index[id(ops[k])] for k, j in enumerate(where) if j is not None}
+
+    def storage(j: int, pos: int) -> int | None:
+        """The recording's storage id of tensor output `pos` of light op `j`."""
+        i = light_at.get(j)
+        if i is None:
+            return None
+        r = recording.ops[i]
+        if r.storage is not None:
+            return r.storage if pos == 0 else None
+        items = itertools.takewhile(lambda g: g.op == "getitem" and g.inputs == [i],
+                                    recording.ops[i + 1:])
+        return next((g.storage for k, g in enumerate(items) if k == pos), None)
+
     out = {}
-    for name, (sg, marks) in found.items():
+    for name, (sg, marks, made) in found.items():
         c = call_of[name]
         nodes, starts = [], []
         for (k, j), (_, j_next) in zip(marks, marks[1:], strict=False):
@@ -2088,27 +2134,32 @@ def _find_stages(spec: StepSpec, recording: Recording) -> dict[str, Staged]:
         end = at[marks[-1][1]]
         if len(starts) < 2 or end > c.end + 1:
             continue
+        results = {sg.exec[k]: [s for jp in v if jp is not None
+                                for s in (storage(*jp),) if s is not None]
+                   for k, v in made.items()}
         out[name] = Staged(sg.pattern.to_json(), sg.fingerprint, (*nodes, len(sg.exec)),
-                           (*starts, end), _stage_arguments(sg, c, (*nodes, len(sg.exec))))
+                           (*starts, end),
+                           _stage_arguments(sg, c, (*nodes, len(sg.exec)), results))
     return out
 
 
-def _stage_arguments(sg: Any, c: ModuleCall, nodes: tuple[int, ...]
-                     ) -> tuple[tuple[int, ...], ...]:
-    """For each stage, the storages of the call's tensor arguments its nodes read (as values,
-    not only their metadata): a run of stages is passed those, whether its ops read them or
-    not (an HF layer hands `position_ids` to its attention, which reads none)."""
-    if c.mirror is None:
-        return ()
-    try:
-        values = sg.values(*c.mirror)
-    except TypeError:
-        return ()
-    ref = dict(zip(sg.placeholders, values, strict=True))
+def _stage_arguments(sg: Any, c: ModuleCall, nodes: tuple[int, ...],
+                     results: dict[Any, list[int]]) -> tuple[tuple[int, ...], ...]:
+    """For each stage, the storages of the tensors its nodes take (as values, not only their
+    metadata) from outside it: the call's arguments, and the results of earlier stages
+    (`results`: an exec node's tensor results' storages). A run of stages is passed those,
+    whether its ops read them or not: an HF layer hands `position_ids` to its attention, which
+    reads none; x-transformers passes every earlier layer's output in a list its residual
+    ignores."""
+    ref: dict[Any, Any] = {}
+    if c.mirror is not None:
+        with contextlib.suppress(TypeError):
+            ref = dict(zip(sg.placeholders, sg.values(*c.mirror), strict=True))
     out = []
     for i, j in zip(nodes, nodes[1:], strict=False):
         ins, _ = sg.io(i, j - 1)
-        out.append(tuple(sorted({ref[a].sid for a in ins if isinstance(ref.get(a), StorageRef)})))
+        out.append(tuple(sorted({ref[a].sid for a in ins if isinstance(ref.get(a), StorageRef)}
+                                | {s for a in ins for s in results.get(a, ())})))
     return tuple(out)
 
 

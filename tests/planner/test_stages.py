@@ -837,3 +837,65 @@ def test_a_run_nested_in_a_checkpointed_run_is_passed_a_tuples_tensors():
             assert simulate(prof, regions).peak_bytes == m.peak_bytes
             assert torch.equal(loss, loss0)
             assert_grads_close(got, want)
+
+
+class _Residual(nn.Module):
+    """x-transformers' residual: takes every earlier layer's output and ignores them."""
+
+    def forward(self, x, residual, layer_hiddens=None):
+        return x + residual
+
+
+class _HiddensEncoder(nn.Module):
+    """x-transformers' layer loop: each layer's input goes into a list that every residual
+    is handed, so a run of later layers is passed earlier layers' outputs its ops never
+    read."""
+
+    def __init__(self, d: int = 64, depth: int = 4):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(depth))
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(depth))
+        self.residuals = nn.ModuleList(_Residual() for _ in range(depth))
+
+    def forward(self, x):
+        hiddens = []
+        for norm, block, residual in zip(self.norms, self.blocks, self.residuals, strict=True):
+            hiddens.append(x)
+            x = residual(torch.tanh(block(norm(x))), x, layer_hiddens=list(hiddens))
+        return x
+
+
+def test_a_run_keeps_earlier_stages_outputs_it_is_passed_but_never_reads():
+    """Two runs of the encoder's stages, both checkpointed: the later run is passed the
+    first layer's output (in the residuals' list), which its frame keeps until its backward
+    though no op of it reads it, and with the first run checkpointed nothing else keeps it.
+    The prediction took a run's inputs to be only what its ops read and the call's own
+    arguments, and the step measured that output above it. Now the stage run notes which
+    earlier stage made each value a run takes: predicted = measured on every pair."""
+    from solvers.nested import _regions
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), _HiddensEncoder(), nn.Linear(64, 512)).train()
+    x = torch.randn(4, 48, 64)
+    loss0, want = loss_and_grads(model, x, seed=0)
+    p = planner.plan(model, None, example_inputs=x)
+    planner.remove(model)
+    prof = p.profile
+    assert next(c for c in prof.calls if c.module == "1").stages
+    spans = [s for s in candidate_calls(prof) if s.call.module == "1" and s.segment is not None]
+    last = max(s.segment[1] for s in spans)
+    # a run from the first stage, and the run of every stage after it
+    pairs = [(s, t) for s in spans for t in spans if s.segment[0] == 0
+             and t.segment == (s.segment[1] + 1, last)]
+    assert len(pairs) >= 8
+    for s, t in pairs:
+        regions = bind(prof, _regions(prof, [s, t]))
+        planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
+        try:
+            m = p.measure(repeats=1)
+            loss, got = loss_and_grads(model, x, seed=0)
+        finally:
+            planner.remove(model)
+        assert simulate(prof, regions).peak_bytes == m.peak_bytes, (s.segment, t.segment)
+        assert torch.equal(loss, loss0)
+        assert_grads_close(got, want)
