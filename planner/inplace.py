@@ -246,12 +246,21 @@ def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
       (torch's metadata check raised);
     - the tensors the `modules` hold in plain attributes, as forward left them: a forward that
       stores a tensor it computes on its module (an MoE layer's auxiliary loss, an attention
-      map kept for inspection) would leave the replay's there, with the replay's graph.
+      map kept for inspection) would leave the replay's there, with the replay's graph;
+    - likewise the contents of the lists and dicts the `modules` hold in plain attributes,
+      where the replay put tensors in or took them out: MONAI's DynUNet stores each deep
+      supervision head's output in a list its modules share (``self.heads[i] = ...``), and
+      the replay's, graph and all, stayed there into the next step.
 
     Without it a replay recomputes from another state and gives other gradients, as torch's own
     `checkpoint` does. (A region never reads a tensor attribute the step replaces after: such
     a call is blocked, `Recording.attribute_rereads`.)"""
     kept = [(m.__dict__, dict(m.__dict__)) for m in modules]
+    held: dict[int, tuple[list | dict, list | dict]] = {}  # id -> (container, its contents)
+    for m in modules:
+        for v in m.__dict__.values():
+            if type(v) in (list, dict) and id(v) not in held:
+                held[id(v)] = (v, v.copy())
     swapped = []
     for d, name, ref in read:
         t = ref()
@@ -284,6 +293,22 @@ def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
             for k in was.keys() - d.keys():
                 if isinstance(was[k], torch.Tensor):
                     d[k] = was[k]
+        for c, was in held.values():
+            _put_back(c, was)
+
+
+def _put_back(c: list | dict, was: list | dict) -> None:
+    """Give container `c` its contents `was` again where they differ in a tensor."""
+    now = list(c.items()) if isinstance(c, dict) else list(enumerate(c))
+    old = list(was.items()) if isinstance(was, dict) else list(enumerate(was))
+    if len(now) == len(old) and all(k == j and v is w for (k, v), (j, w) in zip(now, old)):
+        return
+    if any(isinstance(v, torch.Tensor) for _, v in (*now, *old)):
+        if isinstance(c, dict):
+            c.clear()
+            c.update(was)
+        else:
+            c[:] = was
 
 
 def _generator_state(g: torch.Generator) -> bytes:

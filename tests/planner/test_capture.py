@@ -1396,6 +1396,70 @@ def test_a_call_that_stores_a_tensor_with_its_graph_on_a_module_is_a_region():
         remove(model)
 
 
+class _StoresInList(nn.Module):
+    """MONAI DynUNet's deep supervision: a block stores its head's output in a list it shares
+    with its parent (``self.heads[i] = ...``)."""
+
+    def __init__(self, heads: list, i: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 32))
+        self.head = nn.Linear(32, 32)
+        self.heads, self.i = heads, i
+
+    def forward(self, x):
+        y = self.body(x) + x
+        self.heads[self.i] = self.head(y)
+        return y
+
+
+class _DeepSupervised(nn.Module):
+    """Returns its output stacked with every block's stored head output."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = [torch.zeros(1)] * 3
+        self.blocks = nn.Sequential(*[_StoresInList(self.heads, i) for i in range(3)])
+
+    def forward(self, x):
+        out = self.blocks(x)
+        return torch.stack([out, *self.heads], dim=1)
+
+
+def test_a_replay_leaves_the_lists_its_modules_hold_as_forward_left_them():
+    """Found on MONAI's DynUNet: a replay stored its recomputed head output in the shared
+    list, graph and all, where it stayed into the next step (the measured peak then moved
+    from step to step). The replay now puts back the contents of its modules' list and dict
+    attributes: after a planned step the list holds forward's tensors, and the plan trains
+    like the model."""
+    torch.manual_seed(0)
+    model, x = _DeepSupervised().train(), torch.randn(1024, 32)
+
+    def loss_fn(out):
+        return out.square().mean()
+
+    def step():
+        out = model(x)
+        kept = list(model.heads)
+        loss_fn(out).backward()
+        return kept
+
+    step()
+    want = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    p = plan(model, None, example_inputs=x, loss_fn=loss_fn, repeats=1)
+    try:
+        assert {r.start for r in p.schedule.regions} & {
+            c.start for c in p.profile.calls if c.module.startswith("blocks.")}
+        kept = step()
+        assert all(a is b for a, b in zip(kept, model.heads, strict=True))  # not a replay's
+        for g, w in zip((q.grad for q in model.parameters()), want, strict=True):
+            torch.testing.assert_close(g, w)
+        v = p.verify(repeats=1)
+        assert v.measured_peak_bytes <= v.predicted_peak_bytes
+    finally:
+        remove(model)
+
+
 def test_parameters_named_like_ops_profile():
     """Node names are op names, numbered; a top-level parameter called ``cos`` or ``exp`` (its
     node is named after it) made the first ``cos`` op's node a duplicate, and the profile was
