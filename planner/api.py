@@ -474,7 +474,10 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
     args, kwargs = split_inputs(example_inputs)
     owner = owner if owner is not None else module
     params = dict(owner.named_parameters())
-    state = copy.deepcopy({k: v.detach() for k, v in owner.state_dict().items()})
+    # tensors only: a module's extra state (`get_extra_state`: neuraloperator's FNO keeps its
+    # metadata there) is not the step's to change
+    state = copy.deepcopy({k: v.detach() for k, v in owner.state_dict().items()
+                           if isinstance(v, torch.Tensor)})
     old = {k: p.grad for k, p in params.items()}
     with seeded(0), python_state(module):
         for p in params.values():
@@ -487,7 +490,8 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
     grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
     with torch.no_grad():
         for k, v in owner.state_dict(keep_vars=True).items():  # the tensors, not views
-            put_back(v, state[k])
+            if k in state:
+                put_back(v, state[k])
     for k, p in params.items():
         p.grad = old[k]
     return loss.detach(), grads

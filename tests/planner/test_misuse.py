@@ -559,6 +559,38 @@ def test_verify_warns_where_the_measured_peak_is_above_the_budget():
         assert not p.verify(repeats=1).fits_budget
 
 
+class _WithExtraState(nn.Module):
+    """Keeps a dict in its state_dict (`get_extra_state`), as neuraloperator's FNO keeps its
+    metadata."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 64)
+        self.meta = {"n_modes": (8, 8)}
+
+    def get_extra_state(self):
+        return self.meta
+
+    def set_extra_state(self, state):
+        self.meta = state
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+def test_verify_takes_a_model_with_extra_state():
+    """verify's reference step snapshots the state_dict to put it back; it called ``detach``
+    on the extra state's dict and raised."""
+    model = nn.Sequential(_WithExtraState(), _WithExtraState(), nn.Linear(64, 1))
+    p = planner.plan(model, example_inputs=torch.randn(128, 64), repeats=1)
+    try:
+        v = p.verify(repeats=1)
+        assert v.max_grad_rel_err == 0 and v.fits_budget
+        assert model.state_dict()["0._extra_state"] == {"n_modes": (8, 8)}
+    finally:
+        planner.remove(model)
+
+
 class _Reseeding(nn.Module):
     """Draws its dropout mask after reseeding from the OS (as Reformer's `torch.seed()`)."""
 
