@@ -30,7 +30,7 @@ import json
 import types
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
+    _StopRecomputationError,
     checkpoint,
     create_selective_checkpoint_contexts,
     set_checkpoint_early_stop,
@@ -556,9 +557,50 @@ class _RegionRunner:
         # ScriptModule's op, the TorchScript interpreter turns it into a RuntimeError that
         # checkpoint does not catch, and backward fails: such a region replays to its end.
         with set_checkpoint_early_stop(False) if script else contextlib.nullcontext():
-            return checkpoint(fn, *args, use_reentrant=False,
+            return checkpoint(_stop_passes(fn), *args, use_reentrant=False,
                               preserve_rng_state=self.region.preserve_rng,
                               context_fn=self._eager_context)
+
+
+def _stop_passes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, raising checkpoint's early stop of a replay as itself where code between wrapped
+    it in another exception: einx (x-transformers' rearranges and masks) runs each operation
+    in a try block and raises its own error from whatever the op raised, and the stop is raised
+    from the pack hook of the replay's last saving op, which may be one of those."""
+
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except _StopRecomputationError:
+            raise
+        except Exception as e:
+            stop = _unchained_stop(e)
+            if stop is None:
+                raise
+            try:
+                raise stop from None
+            finally:
+                stop = None  # this frame is in the stop's traceback: no cycle through it
+
+    return call
+
+
+def _unchained_stop(e: BaseException) -> _StopRecomputationError | None:
+    """The early stop `e` was raised from, if any, with the exceptions between unlinked and
+    their tracebacks dropped: a chain that leads back to the stop is a reference cycle, and the
+    tracebacks' frames hold the replay's tensors, which would then live until the garbage
+    collector runs."""
+    chain, seen = [], set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen and not isinstance(x, _StopRecomputationError):
+        seen.add(id(x))
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    if not isinstance(x, _StopRecomputationError):
+        return None
+    for y in chain:
+        y.__cause__ = y.__context__ = y.__traceback__ = None
+    return x
 
 
 class CheckpointedForward:

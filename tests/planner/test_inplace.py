@@ -1159,6 +1159,45 @@ def test_regions_holding_a_script_module_replay_and_fit():
     assert 0 <= v.predicted_peak_bytes - v.measured_peak_bytes <= 256, v
 
 
+def _wrapping_where(cond, a, b):
+    """einx's way of running an op: any error it raises comes out as the library's own."""
+    try:
+        return torch.where(cond, a, b)
+    except Exception as e:
+        raise RuntimeError("the function compiled for this operation failed") from e
+
+
+class _WrappedLastOp(nn.Module):
+    """Ends in an op called through `_wrapping_where`: the last op of the block that saves a
+    tensor (the condition), whose pack hook raises a replay's early stop."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return _wrapping_where(h > 0, h, torch.zeros((), dtype=h.dtype))
+
+
+def test_a_replays_early_stop_raised_inside_code_that_wraps_errors_passes_through():
+    """Found on x-transformers, whose einx operations wrap every error they meet: a replay's
+    early stop, raised from the pack hook of the region's last saving op inside one, reached
+    checkpoint as einx's error and failed backward. The region's function now raises the stop
+    itself: the plan trains like the model and predicts its peak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_WrappedLastOp() for _ in range(4)], nn.Linear(64, 10))
+    x = torch.randn(16, 32, 64)
+    p = planner.plan(model, None, example_inputs=x, repeats=1)
+    try:
+        assert len(p.schedule.regions) >= 2, p.schedule.regions
+        v = p.verify(repeats=1)
+        assert v.max_grad_rel_err == 0.0
+        assert v.predicted_peak_bytes == v.measured_peak_bytes, v
+    finally:
+        planner.remove(model)
+
+
 def test_spectral_norm_regions_replay_from_the_buffers_forward_started_from():
     """Spectral norm reads ``_u``/``_v`` after updating them: a region over it copies them as its
     checkpoint starts and replays from the copy (`Region.restores`), so gradients equal the
