@@ -158,6 +158,38 @@ def test_skips_drawn_from_pythons_random_are_found_and_held():
         remove(model)
 
 
+class _SpareBlock(nn.Module):
+    """A block with a projection it builds and never calls (x-transformers builds optional
+    ones in every attention layer): a sibling of the same class as the ones it calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.spare = nn.Linear(32, 128), nn.Linear(128, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _PyDepthSpare(_PyDepth):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_SpareBlock() for _ in range(4))
+
+
+def test_modules_no_draw_calls_beside_random_skips_are_left_out_by_design():
+    """Blocks skipped at random, each with a projection it never calls: the draws that run
+    every block never run the projections, and the search used to wait for one that did and
+    refuse the model. Now they are left out by design and the draw that runs every block is
+    profiled."""
+    torch.manual_seed(0)
+    model, x = _PyDepthSpare().train(), torch.randn(256, 32)
+    random.seed(1)  # a draw that skips
+    prof = profile(model, x, repeats=1)
+    assert set(prof.meta.random_skips) >= {f"blocks.{i}" for i in range(4)}
+    assert not any("spare" in m for m in prof.meta.random_skips)
+    assert {f"blocks.{i}" for i in range(4)} <= {c.module for c in prof.calls}
+
+
 class _SparseMoE(nn.Module):
     """Top-1 routing over 16 experts with 8 tokens, after dropout: most experts get no token,
     and which ones changes with the dropout draw. Routing, not random skipping."""
