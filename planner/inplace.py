@@ -222,6 +222,10 @@ _SCALARS = (int, float, bool)
 
 _ABSENT = object()
 
+_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})
+"""A module's own dicts of parameters, buffers and children: a replay's buffer copies are put
+back by `_buffer_copies`, and FSDP2 swaps parameters in and out of `_parameters` itself."""
+
 
 def _scalar_slots(modules: list[torch.nn.Module]) -> list[tuple[torch.nn.Module, str]]:
     """(module, name) of every int, float, bool and None attribute of `modules`, listed as a
@@ -259,8 +263,8 @@ def _as_in_forward(read: list[tuple[dict[str, Any], str, weakref.ref]],
     kept = [(m.__dict__, dict(m.__dict__)) for m in modules]
     held: dict[int, tuple[list | dict, list | dict]] = {}  # id -> (container, its contents)
     for m in modules:
-        for v in m.__dict__.values():
-            if type(v) in (list, dict) and id(v) not in held:
+        for k, v in m.__dict__.items():
+            if type(v) in (list, dict) and id(v) not in held and k not in _REGISTRIES:
                 held[id(v)] = (v, v.copy())
     swapped = []
     for d, name, ref in read:

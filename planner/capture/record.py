@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import itertools
 import random
 import statistics
 import sys
@@ -2127,12 +2126,12 @@ def _find_stages(spec: StepSpec, recording: Recording) -> dict[str, Staged]:
         i = light_at.get(j)
         if i is None:
             return None
-        r = recording.ops[i]
-        if r.storage is not None:
-            return r.storage if pos == 0 else None
-        items = itertools.takewhile(lambda g: g.op == "getitem" and g.inputs == [i],
-                                    recording.ops[i + 1:])
-        return next((g.storage for k, g in enumerate(items) if k == pos), None)
+        rops = recording.ops
+        if rops[i].storage is not None:
+            return rops[i].storage if pos == 0 else None
+        k = i + 1 + pos  # a tuple's tensors follow the op as getitems, in order
+        ok = k < len(rops) and all(g.op == "getitem" and g.inputs == [i] for g in rops[i + 1:k + 1])
+        return rops[k].storage if ok else None
 
     out = {}
     for name, (sg, marks, made) in found.items():
