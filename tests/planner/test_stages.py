@@ -807,7 +807,6 @@ def test_a_run_nested_in_a_checkpointed_run_is_passed_a_tuples_tensors():
     run's backward, though nested its tensor arguments go to the outer frame, which drops
     them: the step measured the sum above the prediction. Now each tuple is passed element by
     element and rebuilt inside the run: predicted = measured, gradients unchanged."""
-    from solvers.nested import _regions
 
     torch.manual_seed(0)
     model = nn.Sequential(*[_SharedBlockLayer() for _ in range(3)]).train()
@@ -827,16 +826,24 @@ def test_a_run_nested_in_a_checkpointed_run_is_passed_a_tuples_tensors():
     assert outer and inner
     for o in outer[:2]:
         for i in inner:
-            regions = bind(prof, _regions(prof, [o, i]))
-            planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
-            try:
-                m = p.measure(repeats=1)
-                loss, got = loss_and_grads(model, x, seed=0)
-            finally:
-                planner.remove(model)
-            assert simulate(prof, regions).peak_bytes == m.peak_bytes
-            assert torch.equal(loss, loss0)
-            assert_grads_close(got, want)
+            _exact_and_equal(model, x, p, [o, i], loss0, want)
+
+
+def _exact_and_equal(model, x, p, spans, loss0, want) -> None:
+    """`spans` applied as regions: the predicted peak is the measured one, and loss and
+    gradients are the unplanned model's (`loss0`, `want`)."""
+    from solvers.nested import _regions
+
+    regions = bind(p.profile, _regions(p.profile, spans))
+    planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
+    try:
+        m = p.measure(repeats=1)
+        loss, got = loss_and_grads(model, x, seed=0)
+    finally:
+        planner.remove(model)
+    assert simulate(p.profile, regions).peak_bytes == m.peak_bytes, [s.segment for s in spans]
+    assert torch.equal(loss, loss0)
+    assert_grads_close(got, want)
 
 
 class _Residual(nn.Module):
@@ -872,8 +879,6 @@ def test_a_run_keeps_earlier_stages_outputs_it_is_passed_but_never_reads():
     The prediction took a run's inputs to be only what its ops read and the call's own
     arguments, and the step measured that output above it. Now the stage run notes which
     earlier stage made each value a run takes: predicted = measured on every pair."""
-    from solvers.nested import _regions
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), _HiddensEncoder(), nn.Linear(64, 512)).train()
     x = torch.randn(4, 48, 64)
@@ -889,13 +894,4 @@ def test_a_run_keeps_earlier_stages_outputs_it_is_passed_but_never_reads():
              and t.segment == (s.segment[1] + 1, last)]
     assert len(pairs) >= 8
     for s, t in pairs:
-        regions = bind(prof, _regions(prof, [s, t]))
-        planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
-        try:
-            m = p.measure(repeats=1)
-            loss, got = loss_and_grads(model, x, seed=0)
-        finally:
-            planner.remove(model)
-        assert simulate(prof, regions).peak_bytes == m.peak_bytes, (s.segment, t.segment)
-        assert torch.equal(loss, loss0)
-        assert_grads_close(got, want)
+        _exact_and_equal(model, x, p, [s, t], loss0, want)
