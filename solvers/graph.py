@@ -283,13 +283,30 @@ class GraphIndex:
         return out - no_grad  # an integer output has no grad_fn: it keeps no node alive
 
     def last_forward_read(self) -> dict[int, int]:
-        """For every storage a forward node reads, the last such node; computed once."""
+        """For every storage a forward node reads, the last such node; computed once. A stage
+        of a traced call that is passed a storage (`stage_passed`) reads it at its first node."""
         if self._last_forward_read is None:
             self._last_forward_read = {}
             for i in self.forward:
                 for st in self.reads[i]:
                     self._last_forward_read[st] = i
+            for st, i in self.stage_passed().items():
+                if i > self._last_forward_read.get(st, -1):
+                    self._last_forward_read[st] = i
         return self._last_forward_read
+
+    def stage_passed(self) -> dict[int, int]:
+        """For each storage a stage of a traced call is passed (`ModuleCall.stage_args`), the
+        first node of the last such stage: the generated code holds the value that reaches it
+        (a tensor, or an object holding it: x-transformers' attention intermediates) until
+        that stage is done, whether or not an op reads it."""
+        out: dict[int, int] = {}
+        for ca, cb, firsts, _ in self.traced_calls:
+            for k, sids in enumerate(self.stage_args.get((ca, cb), ())):
+                for st in sids:
+                    if firsts[k] > out.get(st, -1):
+                        out[st] = firsts[k]
+        return out
 
     def position(self, name: str) -> int:
         """Forward position of the forward node called `name`."""
@@ -343,6 +360,10 @@ class IndexArrays:
         (`GraphIndex.dead_saver_ends`)."""
         self.dead_save_storage = np.asarray([s for _, s, _ in dead], dtype=np.int64)
         self.dead_save_end = np.asarray([e for _, _, e in dead], dtype=np.int64)
+        self.stage_passed = np.full(n_st, -1, dtype=np.int64)
+        """`GraphIndex.stage_passed` as an array over storages (-1: none)."""
+        for st, i in g.stage_passed().items():
+            self.stage_passed[st] = i
         self.maker = np.full(n_st, -1, dtype=np.int64)
         """The op that allocates each storage (-1: a placeholder, fixed memory)."""
         self.alloc = np.zeros(g.n, dtype=np.int64)

@@ -184,9 +184,11 @@ class ModuleCall:
     """For each stage, the last stage a region starting there may reach (an in-place write to a
     tensor made before the region's start ends it; one less than the stage: none)."""
     stage_args: tuple[tuple[int, ...], ...] = ()
-    """For each stage, the storages of the call's tensor arguments its trace nodes read: a run
-    of stages is passed them (and its checkpoint keeps them) whether its ops read them or not.
-    Empty in profiles recorded before it was kept."""
+    """For each stage, the storages of the values its trace nodes take from outside it: the
+    call's tensor arguments and earlier stages' results, and the tensors an object among them
+    reaches. A run of stages is passed them (and its checkpoint keeps them) whether its ops
+    read them or not, and the generated code holds them until the last stage passed them is
+    done. Empty in profiles recorded before it was kept."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,8 +18,10 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
 - A checkpointed region keeps its arguments (the checkpoint frame holds them) until the last of
   its autograd nodes has run backward: the tensors its ops read from outside, whatever the
   call's arguments reach (`ModuleCall.holds`), and for a run of a traced forward's stages the
-  call's tensor arguments its nodes take, read by its ops or not (`ModuleCall.stage_args`). Tensors its ops would save are not kept, except
-  the outputs of nodes marked saved (selective checkpointing), which are cached from forward.
+  call's arguments and earlier stages' values its nodes take, read by its ops or not, and what
+  an object among them reaches (`ModuleCall.stage_args`). Tensors its ops would save are not
+  kept, except the outputs of nodes marked saved (selective checkpointing), which are cached
+  from forward.
   Any region's call, a nested one's too, and one run again inside a parent's replay, keeps its
   tensor arguments until it returns (checkpoint's own frames hold them), or until a replay's
   early stop unwinds it: past their last reader, where a run of traced stages or of a
@@ -73,8 +75,9 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   until the replay returns, however early the code drops it (a run of traced stages does).
 - A call with a region that is a run of its traced forward's stages (`planner.stages`) runs the
   generated code, in forward and in the run's replay: it drops a value after the last stage
-  that reads it (a stage: one call of the traced forward), where the model's own code may have
-  kept it longer in a local (`Node.releases` count no later than that stage, `_traced_calls`).
+  that reads it or is passed it (a stage: one call of the traced forward; an object holding it
+  counts, `GraphIndex.stage_passed`), where the model's own code may have kept it longer in a
+  local (`Node.releases` count no later than that stage, `_traced_calls`).
   What the code does not hold last is not dropped earlier: the values the model returns (the
   caller holds them) and autocast's cached casts, which the cache holds until the autocast
   block ends, in forward too (`GraphIndex.not_code_held`).
@@ -914,7 +917,8 @@ def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int
                               & (release <= cb) & ~a.not_code_held)
         if not len(made):
             continue
-        r = np.maximum(last[made], a.maker[made])  # the last reader (or the maker)
+        # the last reader, a stage passed it (`GraphIndex.stage_passed`), or the maker
+        r = np.maximum(np.maximum(last[made], a.stage_passed[made]), a.maker[made])
         k = np.searchsorted(firsts, r, side="right") - 1  # the stage it is in, if any
         stage_last = np.asarray(lasts, dtype=np.int64)[np.maximum(k, 0)]
         end = np.where((k >= 0) & (r <= stage_last), stage_last, r)

@@ -393,6 +393,31 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
+def reachable_tensors(obj: Any, depth: int = 4) -> list[torch.Tensor]:
+    """The tensors `obj` reaches through containers and plain objects' attributes, up to
+    `depth` references deep (modules excepted: their own tensors are parameters and buffers).
+    What a checkpoint keeps by reference when it is given `obj` as an argument."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    todo = [(obj, 0)]
+    while todo:
+        o, d = todo.pop()
+        if id(o) in seen or d > depth:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, dict):
+            todo.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list | tuple | set):
+            todo.extend((v, d + 1) for v in o)
+        elif isinstance(o, torch.nn.Module):
+            continue
+        elif hasattr(o, "__dict__"):
+            todo.extend((v, d + 1) for v in vars(o).values())
+    return out
+
+
 _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
@@ -1094,28 +1119,9 @@ class _Recorder(TorchDispatchMode):
             self.calls[k] = ModuleCall(c.module, c.start, c.end, frozenset(held), frozenset(sids),
                                        mirror, c.reseeds)
 
-    def _reachable_storages(self, obj: Any, depth: int = 4) -> set[int]:
-        out: set[int] = set()
-        seen: set[int] = set()
-        todo = [(obj, 0)]
-        while todo:
-            o, d = todo.pop()
-            if id(o) in seen or d > depth:
-                continue
-            seen.add(id(o))
-            if isinstance(o, torch.Tensor):
-                sid = self.sid_of.get(id(storage_of(o)))
-                if sid is not None:
-                    out.add(sid)
-            elif isinstance(o, dict):
-                todo.extend((v, d + 1) for v in o.values())
-            elif isinstance(o, list | tuple | set):
-                todo.extend((v, d + 1) for v in o)
-            elif isinstance(o, torch.nn.Module):
-                continue  # modules' own tensors are parameters and buffers
-            elif hasattr(o, "__dict__"):
-                todo.extend((v, d + 1) for v in vars(o).values())
-        return out
+    def _reachable_storages(self, obj: Any) -> set[int]:
+        return {sid for t in reachable_tensors(obj)
+                for sid in (self.sid_of.get(id(storage_of(t))),) if sid is not None}
 
     @contextlib.contextmanager
     def module_hooks(self, model: torch.nn.Module) -> Iterator[None]:
@@ -2037,14 +2043,26 @@ class _StagingForward:
             return self.orig(*args, **kwargs)
         marks: list[tuple[int, int]] = []
         made: dict[int, list[tuple[int, int] | None]] = {}
+        objects: dict[int, Any] = {}
         names, made_by = self.rec.names, self.rec.made_by or {}
 
+        def makers(tensors: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+            return [made_by.get(id(t.untyped_storage())) for t in tensors
+                    if t.layout == torch.strided]
+
         def on_result(k: int, value: Any) -> None:
-            made[k] = [made_by.get(id(t.untyped_storage())) for t in _tensors(value)
-                       if t.layout == torch.strided]
+            made[k] = makers(_tensors(value))
+            if not isinstance(value, torch.Tensor):
+                objects[k] = value
 
         out = sg.run(self.module, args, kwargs, on_node=lambda k: marks.append((k, len(names))),
                      on_result=on_result)
+        # A result that is an object (x-transformers' attention intermediates, a list filled
+        # later in the call) reaches tensors a run given it keeps by reference until its
+        # backward: what it reaches as the call returns, as `ModuleCall.holds` for a call.
+        for k, value in objects.items():
+            made[k] = list(dict.fromkeys(made[k] + makers(reachable_tensors(value))))
+        objects.clear()
         marks.append((len(sg.exec), len(names)))
         self.found[self.name] = (sg, marks, made)
         return out

@@ -895,3 +895,124 @@ def test_a_run_keeps_earlier_stages_outputs_it_is_passed_but_never_reads():
     assert len(pairs) >= 8
     for s, t in pairs:
         _exact_and_equal(model, x, p, [s, t], loss0, want)
+
+
+@dataclasses.dataclass
+class _AttnIntermediates:
+    """What x-transformers' attention returns beside its output: its queries, keys and
+    scores, for a caller that asks for them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scores: torch.Tensor
+
+
+@dataclasses.dataclass
+class _LayerIntermediates:
+    hiddens: list
+    attn: list
+
+
+class _Attn(nn.Module):
+    def __init__(self, d: int, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, n, d = x.size(0), x.size(1), x.size(2)
+        qkv = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        scores = q @ k.transpose(-1, -2)
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d)
+        return self.out(out), _AttnIntermediates(q, k, scores)
+
+
+class _IntermediatesEncoder(nn.Module):
+    """x-transformers' layer loop with ``return_hiddens``: each attention's intermediates
+    object is collected, and the last traced node builds the object that holds them all, which
+    the caller drops."""
+
+    def __init__(self, d: int = 64, depth: int = 3):
+        super().__init__()
+        self.attns = nn.ModuleList(_Attn(d) for _ in range(depth))
+        self.ffs = nn.ModuleList(nn.Sequential(nn.Linear(d, 8 * d), nn.GELU(), nn.Linear(8 * d, d))
+                                 for _ in range(depth))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        hiddens, inters = [], []
+        for attn, ff in zip(self.attns, self.ffs, strict=True):
+            hiddens.append(x)
+            out, inter = attn(x)
+            inters.append(inter)
+            x = x + out
+            x = x + ff(x)
+        return self.norm(x), _LayerIntermediates(hiddens=hiddens, attn=inters)
+
+
+class _DropsIntermediates(nn.Module):
+    """`pooled`: a head whose weight's gradient outweighs its output. `keep`: the forward holds
+    the encoder's intermediates until it returns; otherwise they die as the encoder returns."""
+
+    def __init__(self, pooled: bool = False, keep: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 64)
+        self.enc = _IntermediatesEncoder()
+        self.head = nn.Linear(64, 8192 if pooled else 512)
+        self.pooled, self.keep = pooled, keep
+
+    def forward(self, x):
+        if self.keep:
+            out, intermediates = self.enc(self.inp(x))
+        else:
+            out = self.enc(self.inp(x))[0]
+        return self.head(out.mean(1) if self.pooled else out)
+
+
+def test_a_run_keeps_the_objects_it_is_passed_and_what_they_hold():
+    """A run of the encoder's last stages builds the object holding every attention's
+    intermediates (queries, keys, scores) from the objects the attentions returned: its
+    checkpoint frame keeps those objects, and the tensors in them, until its backward, though
+    the caller drops them as its forward returns. The stage run took a value's tensors to be only those it is or
+    contains as a tuple or list, and the step measured the earlier attentions' intermediates
+    above the prediction. Now what an object result reaches as the call returns counts."""
+    torch.manual_seed(0)
+    model = _DropsIntermediates(keep=True).train()
+    x = torch.randn(4, 48, 64)
+    loss0, want = loss_and_grads(model, x, seed=0)
+    p = planner.plan(model, None, example_inputs=x)
+    planner.remove(model)
+    prof = p.profile
+    call = next(c for c in prof.calls if c.module == "enc")
+    assert call.stages
+    spans = [s for s in candidate_calls(prof) if s.call.module == "enc" and s.segment is not None]
+    last = max(s.segment[1] for s in spans)
+    tails = [s for s in spans if s.segment[1] == last and s.segment[0] > 0]
+    assert len(tails) >= 4
+    for s in tails:
+        _exact_and_equal(model, x, p, [s], loss0, want)
+
+
+def test_generated_code_holds_the_objects_later_stages_are_passed():
+    """The encoder's call drops the intermediates object as it returns, and a stage reads the
+    tensors in it no later than the attention that made them. The generated code still holds
+    the object, and so those tensors, until the last stage passed it is done, in forward and in
+    a run's replay (until the replay returns). The prediction dropped them after the attention's
+    stage, and the step measured them above it. Each run that ends before the last layer, with
+    the run of the stages after it."""
+    torch.manual_seed(0)
+    model = _DropsIntermediates(pooled=True).train()
+    x = torch.randn(4, 128, 64)
+    loss0, want = loss_and_grads(model, x, seed=0)
+    p = planner.plan(model, None, example_inputs=x)
+    planner.remove(model)
+    spans = {s.segment: s for s in candidate_calls(p.profile)
+             if s.call.module == "enc" and s.segment is not None}
+    last = max(b for _, b in spans)
+    pairs = [(s, spans[(s.segment[1] + 1, last)]) for s in spans.values()
+             if (s.segment[1] + 1, last) in spans]
+    assert len(pairs) >= 8
+    for pair in pairs:
+        _exact_and_equal(model, x, p, list(pair), loss0, want)
