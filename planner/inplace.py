@@ -141,7 +141,34 @@ def _selective_contexts(save_ops: str):
     return create_selective_checkpoint_contexts(policy)
 
 
-def _replayable(rec: Any) -> Any:
+def _param_cast(func: Any, args: tuple) -> bool:
+    """The op is a cast of a parameter (autocast's, which it caches for the rest of its block)."""
+    return func is torch.ops.aten._to_copy.default and bool(args) \
+        and isinstance(args[0], torch.nn.Parameter)
+
+
+class _NotesParamCasts(TorchDispatchMode):
+    """A selective region's forward mode (torch's caching mode, `inner`), noting in `cast` the
+    parameters the region casts itself. Autocast casts a parameter at its first use in an
+    autocast block and serves later uses from its cache: a region that reads a parameter cast
+    before it runs no cast in forward, but its replay (in an autocast block of its own, its
+    cache empty) casts it again (`_ReplayAgain` keeps those out of the replay's op count)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, inner: Any, cast: set[int]) -> None:
+        super().__init__()
+        self.inner, self.cast = inner, cast
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _param_cast(func, args):
+            self.cast.add(id(args[0]))
+        return self.inner.__torch_dispatch__(func, types, args, kwargs)
+
+
+def _replayable(rec: Any, cast: set[int] | None = None) -> Any:
     """`rec`, torch's selective replay mode, able to replay again: in a second backward through
     the same graph (``retain_graph=True``, or a gradient penalty's ``create_graph=True`` gradient
     followed by ``backward()``) torch raises "backward an extra time", since the kept outputs were
@@ -156,7 +183,7 @@ def _replayable(rec: Any) -> Any:
     if consumed is None or key_of is None or ignored is None or \
             not isinstance(getattr(rec, "func_counter", None), dict):
         return rec
-    return _ReplayAgain(rec, consumed, key_of, ignored)
+    return _ReplayAgain(rec, consumed, key_of, ignored, cast)
 
 
 class _ReplayAgain(TorchDispatchMode):
@@ -166,15 +193,21 @@ class _ReplayAgain(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, rec: Any, consumed: Any, key_of: Any, ignored: Any) -> None:
+    def __init__(self, rec: Any, consumed: Any, key_of: Any, ignored: Any,
+                 cast: set[int] | None = None) -> None:
         super().__init__()
         self.rec, self._consumed, self._key_of, self._ignored = rec, consumed, key_of, ignored
+        self._cast = cast
 
     def __enter__(self):
         self.rec.func_counter.clear()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._cast is not None and _param_cast(func, args) and id(args[0]) not in self._cast:
+            # autocast's cast of a parameter forward took from its cache, cast before the
+            # region (`_NotesParamCasts`): no op of the forward, so not one the policy counts
+            return func(*args, **(kwargs or {}))
         if func not in self._ignored:
             key = self._key_of(func, args)
             storage = self.rec.storage.get(key)
@@ -533,8 +566,9 @@ class _RegionRunner:
                 self._slots, contextlib.nullcontext(), start, read, scalars, self._modules_in,
                 gens)
         fwd, rec = _selective_contexts(self._keys)
-        return fwd, _ReplayContext(self._slots, _replayable(rec), start, read, scalars,
-                                   self._modules_in, gens)
+        cast: set[int] = set()
+        return _NotesParamCasts(fwd, cast), _ReplayContext(
+            self._slots, _replayable(rec, cast), start, read, scalars, self._modules_in, gens)
 
     def run(self, fn, *args: Any) -> Any:
         fn, args = _once_each(fn, args)

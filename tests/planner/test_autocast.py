@@ -22,7 +22,8 @@ from planner.api import plan_from_profile
 from planner.inplace import apply_schedule, remove
 from planner.measurement import measure
 from solvers import Region, Schedule
-from solvers.chain import bind, candidate_calls, region
+from solvers.chain import bind, candidate_calls, region, selective_region
+from solvers.graph import graph_index
 from solvers.simulate import simulate
 from solvers.solve import smallest_peak
 from tests.zoo import CASES
@@ -123,6 +124,24 @@ def test_every_call_of_a_shared_module_replays_its_own_casts(universal, module):
     calls = [c for c in prof.calls if c.module == module]
     assert len(calls) == 4
     regions = bind(prof, tuple(Region(start=c.start, end=c.end) for c in calls))
+    _check(model, inputs, loss_fn, prof, Schedule(regions=regions), reference)
+
+
+@pytest.mark.parametrize("module", ["block.fc", "block"])
+def test_a_selective_region_replays_the_casts_of_the_first(universal, module):
+    """Each call of `module` a selective region (its matmuls kept). The replay of every call but
+    the first casts weights that forward took from autocast's cache: ops its forward did not
+    run. Torch's selective mode counts every op of a replay against the forward's, so the
+    replay raised ("invocation index ... not found in storage"), whatever the region kept. The
+    replay now leaves those casts out of the count."""
+    model, inputs, loss_fn, prof = universal
+    reference = _grads(model, inputs, loss_fn)
+    g = graph_index(prof)
+    calls = [c for c in prof.calls if c.module == module]
+    assert len(calls) == 4
+    regions = bind(prof, tuple(selective_region(prof, g.position(c.start), g.position(c.end))
+                               for c in calls))
+    assert all(r.save_ops for r in regions)
     _check(model, inputs, loss_fn, prof, Schedule(regions=regions), reference)
 
 
