@@ -971,25 +971,32 @@ class _DropsIntermediates(nn.Module):
         return self.head(out.mean(1) if self.pooled else out)
 
 
+def _encoder_runs(model: nn.Module, x: torch.Tensor):
+    """The unplanned loss and gradients, the smallest-peak plan (removed), and the candidate
+    runs of the encoder's stages by (first, last) position."""
+    loss0, want = loss_and_grads(model, x, seed=0)
+    p = planner.plan(model, None, example_inputs=x)
+    planner.remove(model)
+    assert next(c for c in p.profile.calls if c.module == "enc").stages
+    runs = {s.segment: s for s in candidate_calls(p.profile)
+            if s.call.module == "enc" and s.segment is not None}
+    return loss0, want, p, runs
+
+
 def test_a_run_keeps_the_objects_it_is_passed_and_what_they_hold():
     """A run of the encoder's last stages builds the object holding every attention's
     intermediates (queries, keys, scores) from the objects the attentions returned: its
     checkpoint frame keeps those objects, and the tensors in them, until its backward, though
-    the caller drops them as its forward returns. The stage run took a value's tensors to be only those it is or
-    contains as a tuple or list, and the step measured the earlier attentions' intermediates
-    above the prediction. Now what an object result reaches as the call returns counts."""
+    the caller drops them as its forward returns. The stage run took a value's tensors to be
+    only those it is or contains as a tuple or list, and the step measured the earlier
+    attentions' intermediates above the prediction. Now what an object result reaches as the
+    call returns counts."""
     torch.manual_seed(0)
     model = _DropsIntermediates(keep=True).train()
     x = torch.randn(4, 48, 64)
-    loss0, want = loss_and_grads(model, x, seed=0)
-    p = planner.plan(model, None, example_inputs=x)
-    planner.remove(model)
-    prof = p.profile
-    call = next(c for c in prof.calls if c.module == "enc")
-    assert call.stages
-    spans = [s for s in candidate_calls(prof) if s.call.module == "enc" and s.segment is not None]
-    last = max(s.segment[1] for s in spans)
-    tails = [s for s in spans if s.segment[1] == last and s.segment[0] > 0]
+    loss0, want, p, runs = _encoder_runs(model, x)
+    last = max(b for _, b in runs)
+    tails = [s for (a, b), s in runs.items() if b == last and a > 0]
     assert len(tails) >= 4
     for s in tails:
         _exact_and_equal(model, x, p, [s], loss0, want)
@@ -1000,19 +1007,14 @@ def test_generated_code_holds_the_objects_later_stages_are_passed():
     tensors in it no later than the attention that made them. The generated code still holds
     the object, and so those tensors, until the last stage passed it is done, in forward and in
     a run's replay (until the replay returns). The prediction dropped them after the attention's
-    stage, and the step measured them above it. Each run that ends before the last layer, with
-    the run of the stages after it."""
+    stage, and the step measured them above it. Each run, with the run of every stage after
+    it."""
     torch.manual_seed(0)
     model = _DropsIntermediates(pooled=True).train()
     x = torch.randn(4, 128, 64)
-    loss0, want = loss_and_grads(model, x, seed=0)
-    p = planner.plan(model, None, example_inputs=x)
-    planner.remove(model)
-    spans = {s.segment: s for s in candidate_calls(p.profile)
-             if s.call.module == "enc" and s.segment is not None}
-    last = max(b for _, b in spans)
-    pairs = [(s, spans[(s.segment[1] + 1, last)]) for s in spans.values()
-             if (s.segment[1] + 1, last) in spans]
+    loss0, want, p, runs = _encoder_runs(model, x)
+    last = max(b for _, b in runs)
+    pairs = [(s, runs[(b + 1, last)]) for (_, b), s in runs.items() if (b + 1, last) in runs]
     assert len(pairs) >= 8
     for pair in pairs:
         _exact_and_equal(model, x, p, list(pair), loss0, want)
