@@ -182,6 +182,16 @@ class GraphIndex:
                 if c.stage_args:
                     self.stage_args[(self.name_to_i[c.start], self.name_to_i[c.end])] = \
                         c.stage_args
+        self.stage_passed: dict[int, int] = {}
+        """For each storage a stage of a traced call is passed (`ModuleCall.stage_args`), the
+        first node of the last such stage: the generated code holds the value that reaches it
+        (a tensor, or an object holding it: x-transformers' attention intermediates) until
+        that stage is done, whether or not an op reads it."""
+        for ca, cb, firsts, _ in self.traced_calls:
+            for k, sids in enumerate(self.stage_args.get((ca, cb), ())):
+                for st in sids:
+                    if firsts[k] > self.stage_passed.get(st, -1):
+                        self.stage_passed[st] = firsts[k]
         self.buffer_calls: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = []
         """(first node, last node, buffer storages, restored storages) of each call that updates
         buffers in place (`ModuleCall.buffers`): a region over it copies them for its replay
@@ -290,23 +300,10 @@ class GraphIndex:
             for i in self.forward:
                 for st in self.reads[i]:
                     self._last_forward_read[st] = i
-            for st, i in self.stage_passed().items():
+            for st, i in self.stage_passed.items():
                 if i > self._last_forward_read.get(st, -1):
                     self._last_forward_read[st] = i
         return self._last_forward_read
-
-    def stage_passed(self) -> dict[int, int]:
-        """For each storage a stage of a traced call is passed (`ModuleCall.stage_args`), the
-        first node of the last such stage: the generated code holds the value that reaches it
-        (a tensor, or an object holding it: x-transformers' attention intermediates) until
-        that stage is done, whether or not an op reads it."""
-        out: dict[int, int] = {}
-        for ca, cb, firsts, _ in self.traced_calls:
-            for k, sids in enumerate(self.stage_args.get((ca, cb), ())):
-                for st in sids:
-                    if firsts[k] > out.get(st, -1):
-                        out[st] = firsts[k]
-        return out
 
     def position(self, name: str) -> int:
         """Forward position of the forward node called `name`."""
@@ -362,7 +359,7 @@ class IndexArrays:
         self.dead_save_end = np.asarray([e for _, _, e in dead], dtype=np.int64)
         self.stage_passed = np.full(n_st, -1, dtype=np.int64)
         """`GraphIndex.stage_passed` as an array over storages (-1: none)."""
-        for st, i in g.stage_passed().items():
+        for st, i in g.stage_passed.items():
             self.stage_passed[st] = i
         self.maker = np.full(n_st, -1, dtype=np.int64)
         """The op that allocates each storage (-1: a placeholder, fixed memory)."""
