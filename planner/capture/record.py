@@ -663,6 +663,10 @@ class _Recorder(TorchDispatchMode):
         self.skipped: list[int] = []
         self.in_place_op: int | None = None  # the last forward op, if it wrote in place
         self.packs: list[tuple[int, int]] = []  # (sequence number, storage id)
+        self.function_saves: dict[int, tuple[weakref.ref, int, int]] = {}
+        """id of a tensor a custom Function's forward passed to ``ctx.save_for_backward`` ->
+        (a weak reference to it, the Function's node's sequence number, the depth of nested
+        applies), until that apply returns (`_noting_function_saves`)."""
         self.release_at: dict[int, int] = {}
         self.wrapped: dict[int, int] = {}
         """Storage id -> the forward op whose node saves it: a number wrapped as a tensor that
@@ -1015,6 +1019,14 @@ class _Recorder(TorchDispatchMode):
             sids = self.sids(t)
             sid = sids[0]
             seq = torch.autograd._get_sequence_nr() - 1
+            noted = self.function_saves.get(id(t))
+            if noted is not None and noted[0]() is t:
+                # a custom Function saving it as its apply returns: its own node, which the
+                # latest sequence number is not when its forward made autograd nodes
+                seq = noted[1]
+                # its node took its number before its forward ran: the node is the last op
+                # that forward ran (none of the numbers its ops took)
+                self.seq_owner[seq] = len(self.ops) - 1
             made = self.owner.get(sid, -1)
             if self.seq_owner.get(seq, made) < made:
                 # the node saving it was made after the op its number went to (a custom
@@ -1225,6 +1237,50 @@ def _check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
+@contextlib.contextmanager
+def _noting_function_saves(rec: _Recorder) -> Iterator[None]:
+    """`rec`'s saved-tensor hooks, and ``ctx.save_for_backward`` of custom Functions noting
+    their node's sequence number for the tensors it is given (`_Recorder.function_saves`):
+    autograd packs them as the Function's apply returns, when the latest sequence number is
+    that of the last node its forward made (torchdiffeq's adjoint solver makes some), not its
+    own. The notes of one apply end with it: a Function that gets no node (no input requires
+    grad) packs nothing, and a later op saving the same tensor saves it for itself."""
+    fctx = torch.autograd.function.FunctionCtx
+    function = torch.autograd.Function
+    original_save = fctx.save_for_backward
+    original_apply = function.__dict__["apply"]
+    depth = 0
+
+    def save_for_backward(ctx: Any, *tensors: Any) -> None:
+        seq = getattr(ctx, "_sequence_nr", None)
+        if callable(seq):
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    rec.function_saves[id(t)] = (weakref.ref(t), seq(), depth)
+        original_save(ctx, *tensors)
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal depth
+        depth += 1
+        try:
+            return original_apply.__func__(cls, *args, **kwargs)
+        finally:
+            ended = depth
+            depth -= 1
+            for k in [k for k, v in rec.function_saves.items() if v[2] == ended]:
+                del rec.function_saves[k]
+
+    fctx.save_for_backward = save_for_backward
+    function.apply = classmethod(apply)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+            yield
+    finally:
+        fctx.save_for_backward = original_save
+        function.apply = original_apply
+        rec.function_saves.clear()
+
+
 def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[int], int, list]:
     """One forward, loss and backward of `spec`. Returns (storage ids of the output leaves, of
     the loss, and the gradients' storage ids) when recording structure."""
@@ -1235,7 +1291,7 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
             "unfreeze some parameters (or add adapters) first"
         )
     pack_ctx = (
-        torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack)
+        _noting_function_saves(rec)
         if rec is not None and rec.structure
         else contextlib.nullcontext()
     )
