@@ -302,6 +302,7 @@ def to_profile(
                 accumulates=r.accumulates and r.phase == "backward",
                 after_formula=r.after_formula and r.phase == "backward"
                 and r.grad_of is not None and not r.accumulates,
+                before_unpack=r.before_unpack and r.phase == "backward",
                 workspace_bytes=int(r.workspace_bytes),
                 flops=int(r.flops),
                 bytes_moved=int(r.bytes_moved),

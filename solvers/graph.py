@@ -94,7 +94,9 @@ class GraphIndex:
         # (where a checkpoint replays the region that saved them). A C++ formula unpacks every
         # saved tensor before its first op (IndexBackward0 unpacks the indices, then allocates
         # the zeros it scatters into); a custom Function's Python backward reads
-        # `ctx.saved_tensors` where its code does, taken as its first op that reads one.
+        # `ctx.saved_tensors` where its code does, taken as its first op that reads one. The
+        # node of an in-place op on a view is its base's CopySlices, which copies the gradient
+        # before the formula it wraps unpacks (`Node.before_unpack`).
         self.bw_unpack: dict[int, int] = {}
         self.accumulates = accumulates = [nd.accumulates for nd in nodes]
         self.apply_end: dict[int, int] = {}
@@ -109,7 +111,7 @@ class GraphIndex:
                     self.bw_end[g] = i
                 if not (accumulates[i] or nodes[i].after_formula) or g not in self.apply_end:
                     self.apply_end[g] = i
-                if g not in self.bw_unpack and not accumulates[i] and (
+                if g not in self.bw_unpack and not (accumulates[i] or nodes[i].before_unpack) and (
                         not self.python_backward[i]
                         or not all_reads[i].isdisjoint(self.saves[g])):
                     self.bw_unpack[g] = i

@@ -104,6 +104,11 @@ class Node:
     its input's shape (``sum_to``) or casting it. A region's replayed copies the node unpacked
     died as the formula returned (`GraphIndex.apply_end`); what it saves itself lives through
     these."""
+    before_unpack: bool = False
+    """Backward nodes: run by `grad_of`'s autograd node before it unpacked its saved tensors,
+    so before a region that saved them replays: CopySlices' copies of the gradient (the node of
+    an in-place op on a view), which its wrapped formula unpacks after. Absent from older
+    profiles, where a C++ node is taken to unpack before its first op."""
     workspace_bytes: int = 0
     """Bytes the op allocates and frees again while it runs (beyond its outputs); measured on
     CPU from allocation events, 0 where unknown (estimate mode)."""
@@ -590,6 +595,11 @@ def _validate(p: Profile) -> None:
             raise ProfileError(f"{where}: after_formula must be true or false")
         if n.after_formula and (n.grad_of is None or n.accumulates):
             raise ProfileError(f"{where}: after_formula is set on a node that is not one of an "
+                               "autograd node's backward ops (grad_of), or one that accumulates")
+        if not isinstance(n.before_unpack, bool):
+            raise ProfileError(f"{where}: before_unpack must be true or false")
+        if n.before_unpack and (n.grad_of is None or n.accumulates):
+            raise ProfileError(f"{where}: before_unpack is set on a node that is not one of an "
                                "autograd node's backward ops (grad_of), or one that accumulates")
         if n.name in seen:
             raise ProfileError(f"{where}: duplicate node name (first at nodes[{seen[n.name]}])")

@@ -253,6 +253,10 @@ class OpRecord:
     """Backward ops the engine runs after the node's formula returned (outside the node's
     profiler scope, inside its ``evaluate_function``): `validate_outputs` reducing a broadcast
     gradient to its input's shape (``sum_to``) or casting it, and the `accumulates` sums."""
+    before_unpack: bool = False
+    """Backward ops a node runs before it unpacks its saved tensors (`_Recorder.unpack_at`):
+    CopySlices' copies of the gradient, for an in-place op on a view, before the formula it
+    wraps."""
 
 
 @dataclass(frozen=True)
@@ -663,6 +667,10 @@ class _Recorder(TorchDispatchMode):
         self.skipped: list[int] = []
         self.in_place_op: int | None = None  # the last forward op, if it wrote in place
         self.packs: list[tuple[int, int]] = []  # (sequence number, storage id)
+        self.unpack_at: dict[int, int] = {}
+        """Forward op -> the number of ops recorded when its node first unpacked a saved
+        tensor in backward: a node wrapped by CopySlices (an in-place op on a view) copies the
+        gradient before the formula it wraps unpacks."""
         self.function_saves: dict[int, tuple[weakref.ref, int, int]] = {}
         """id of a tensor a custom Function's forward passed to ``ctx.save_for_backward`` ->
         (a weak reference to it, the Function's node's sequence number, the depth of nested
@@ -1051,6 +1059,10 @@ class _Recorder(TorchDispatchMode):
             # backward ops read the copy: they read the original storages
             for st, sid in zip(storages_of(t), p.sids, strict=True):
                 self._alias(st, sid)
+            node = torch._C._current_autograd_node()
+            owner = self.seq_owner.get(node._sequence_nr()) if node is not None else None
+            if owner is not None:
+                self.unpack_at.setdefault(owner, len(self.ops))
             return t
         finally:
             self.suspended -= 1
@@ -1957,6 +1969,9 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
 
     ops = rec.placeholders + rec.ops
     _release_wrapped(rec)
+    for k, r in enumerate(rec.ops):
+        if r.phase == "backward" and r.grad_of is not None and not r.accumulates:
+            r.before_unpack = k < rec.unpack_at.get(r.grad_of, -1)
     for r in rec.ops:
         r.inputs = [shift(i) for i in r.inputs]
         if r.grad_of is not None:

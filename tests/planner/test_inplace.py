@@ -1285,6 +1285,51 @@ def test_a_replayed_copy_dies_before_the_engine_reduces_a_broadcast_gradient():
     assert abs(simulate(p.profile, regions).peak_bytes - m.peak_bytes) <= 64
 
 
+class _GatedInPlace(nn.Module):
+    """MONAI's residual block in miniature: in-place ops on a Linear's 3-D output (a view of
+    its 2-D matmul), whose nodes are the base's CopySlices, and a wide no-grad gate that only
+    a replay runs again while gradients are in flight."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 16 * d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        with torch.no_grad():
+            gate = torch.sigmoid(self.up(x).mean(-1, keepdim=True))
+        h = self.fc(x)
+        h.mul_(gate)
+        return nn.functional.leaky_relu_(h, 0.1)
+
+
+def test_a_region_replays_after_copyslices_copies_the_gradient():
+    """The node of an in-place op on a view is its base's CopySlices: it copies the incoming
+    gradient (a new tensor of the base's shape, and a contiguous clone of the slice) before
+    the formula it wraps unpacks the saved tensors, so the region's replay runs with both
+    copies live (`Node.before_unpack`). Predicted with the replay before them, the peak was
+    under by the two copies."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), _GatedInPlace(), nn.Linear(256, 8)).train()
+    x = torch.randn(16, 64, 256)
+    loss0, want = loss_and_grads(model, x, seed=0)
+    p = planner.plan(model, None, example_inputs=x)
+    planner.remove(model)
+    assert any(n.before_unpack for n in p.profile.nodes)
+    span = next(s for s in candidate_calls(p.profile) if s.call.module == "1"
+                and s.segment is None)
+    regions = bind(p.profile, (region(p.profile, span.a, span.b),))
+    planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
+    try:
+        measured = p.measure(repeats=1).peak_bytes
+        loss, got = loss_and_grads(model, x, seed=0)
+    finally:
+        planner.remove(model)
+    assert simulate(p.profile, regions).peak_bytes == measured
+    assert torch.equal(loss, loss0)
+    assert_grads_close(got, want)
+
+
 class _SolveFn(torch.autograd.Function):
     """torchdiffeq's adjoint method in miniature: the forward solves without gradients but
     makes an autograd node of its own on the way (a step-size estimate on a tensor that

@@ -242,6 +242,10 @@ def _saves_on_backward(d):
     _node(d, "threshold_backward")["saves"] = [3]
 
 
+def _before_unpack_on_forward(d):
+    _node(d, "relu")["before_unpack"] = True
+
+
 MALFORMED = {
     "unknown schema_version": (
         _set("schema_version", 99),
@@ -276,6 +280,10 @@ MALFORMED = {
     "saves on a backward node": (
         _saves_on_backward,
         r"'threshold_backward'.*only forward and loss nodes save tensors",
+    ),
+    "before_unpack on a forward node": (
+        _before_unpack_on_forward,
+        r"'relu'\): before_unpack is set on a node that is not one of an autograd node's",
     ),
 }
 
@@ -333,6 +341,8 @@ WRONG_TYPES = {
     "time_ms is NaN": lambda d: _node(d, "relu").__setitem__("time_ms", float("nan")),
     "python_backward is a string":
         lambda d: _node(d, "relu").__setitem__("python_backward", "yes"),
+    "before_unpack is a number":
+        lambda d: _node(d, "threshold_backward").__setitem__("before_unpack", 1),
     "time_ms is inf": lambda d: _node(d, "relu").__setitem__("time_ms", float("inf")),
     "meta is not an object": lambda d: d.__setitem__("meta", None),
     "nodes is not a list": lambda d: d.__setitem__("nodes", 5),
