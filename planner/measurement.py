@@ -155,8 +155,19 @@ def measure(
     (`solvers.accumulation`); they count in fixed memory.
     """
     loss_fn = loss_fn or default_loss
-    reset = _hold_grads if grads_held else _zero_grads
     args, kwargs = split_inputs(example_inputs)
+    # An input that requires grad (one the model marks, to differentiate by it) gets a gradient
+    # from every step: each step starts without it, as a fresh batch would.
+    leaves = [x for x in pytree.tree_leaves((args, kwargs))
+              if isinstance(x, torch.Tensor) and x.is_leaf]
+    input_grads = [x.grad for x in leaves]
+    model_reset = _hold_grads if grads_held else _zero_grads
+
+    def reset(m: torch.nn.Module) -> None:
+        model_reset(m)
+        for x in leaves:
+            x.grad = None
+
     params = list(module.parameters())
     saved_state = (
         [p.detach().clone() for p in params],
@@ -229,6 +240,8 @@ def measure(
                 optimizer.load_state_dict(saved_opt)
             for p, g in zip(params, saved_grads, strict=True):
                 p.grad = g
+            for x, g in zip(leaves, input_grads, strict=True):
+                x.grad = g
     return Measurement(
         peak_bytes=fixed + peak,
         retained_bytes=retained,

@@ -1334,14 +1334,38 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
           else contextlib.nullcontext()), \
             (_called_in_backward(rec, spec.model) if rec is not None and rec.structure
              else contextlib.nullcontext()):
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        # and the other leaves that require grad, as `loss.backward()` writes theirs too: an
+        # input the model makes require grad to differentiate by it (forces as minus the
+        # energy's gradient by positions), an embedding output PEFT's
+        # `enable_input_require_grads` marks. Their backward runs, and what it reads lives.
+        others = _other_leaves(loss, wrt)
+        grads = torch.autograd.grad(loss, wrt + others, allow_unused=True)
     grad_sids = []
     if rec is not None and rec.structure:
-        grad_sids = [rec.sid(g) for g in grads if g is not None]
+        grad_sids = [rec.sid(g) for g in grads[:len(wrt)] if g is not None]
         rec.phase = "done"
         rec._final_refs = (loss, grads)  # held until the recording is assembled
     del loss, grads
     return out_sids, loss_sid, grad_sids
+
+
+def _other_leaves(loss: torch.Tensor, wrt: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors other than `wrt` whose gradient ``loss.backward()`` would accumulate: the
+    variables of the AccumulateGrad nodes of `loss`'s graph. Their gradients are held to the
+    end of the step, as the tensor's ``.grad`` holds them."""
+    params = {id(p) for p in wrt}
+    out, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if type(n).__name__ == "AccumulateGrad":
+            if id(n.variable) not in params:
+                out.append(n.variable)
+            continue
+        stack.extend(f for f, _ in n.next_functions)
+    return out
 
 
 @contextlib.contextmanager

@@ -1890,3 +1890,29 @@ def test_numbers_autograd_saves_without_the_pack_hook_are_counted():
     prof = profile(flipped, x, repeats=1)
     assert [n.op for n in prof.nodes for s in n.new_storages
             if s != n.storage and n.op in ("aten.mul.Tensor", "aten.div.Tensor")] == ["aten.div.Tensor"]
+
+
+class _SinHead(nn.Module):
+    """Work on the input before the first parameter: only the input's own gradient needs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(256, 8)
+
+    def forward(self, x):
+        return self.fc(torch.sin(x))
+
+
+def test_an_input_that_requires_grad_gets_its_gradient_in_the_recorded_backward():
+    """``loss.backward()`` writes the gradient of every leaf that requires grad, an input too
+    (adversarial training, a gradient penalty, forces by positions). The recording took the
+    parameters' gradients only, so the backward of the sine (and the gradients it makes) was
+    missing from the prediction. Measuring a step leaves the input's gradient as it was."""
+    torch.manual_seed(0)
+    model = _SinHead().train()
+    x = torch.randn(4096, 256).requires_grad_()
+    prof = profile(model, (x,), repeats=1)
+    assert any(n.phase == "backward" and n.op == "aten.cos.default" for n in prof.nodes)
+    m = measure(model, (x,), repeats=1)
+    assert x.grad is None
+    assert simulate(prof, ()).peak_bytes == m.peak_bytes
