@@ -32,7 +32,9 @@ memory measured with `torch.profiler` events, `tests/planner/test_inplace.py`):
   stop is replayed except the saved ones, even ops that only feed saved ones. A C++ formula
   unpacks its saved tensors before its first op, so the replay runs before anything that node
   allocates (IndexBackward0's zeros, made before the indices are read); a custom Function's
-  Python backward, at its first op that reads one (`GraphIndex.bw_unpack`).
+  Python backward, at its first op that reads one; the node of an in-place op on a view (its
+  base's CopySlices), after it has copied the gradient into a tensor of the base's shape and
+  cloned the slice (`Node.before_unpack`, `GraphIndex.bw_unpack`).
 - Replayed tensors the region's autograd nodes need live until those nodes' formulas have
   returned (a node unpacks them into the formula's locals; the engine's reduction of a
   broadcast gradient after the formula, `Node.after_formula`, runs without them); the others
