@@ -53,6 +53,10 @@ def call_blockers(rec: Recording) -> list[str]:
       recomputes it there, as Reformer's reversible layers do, or torch's checkpoint in the
       model's own code): a region on it would checkpoint that call in backward too, which the
       cost model does not follow.
+    - An op whose autograd node runs backward inside the step's forward or loss
+      (``torch.autograd.grad`` there: forces as minus the energy's gradient by positions, a
+      gradient penalty): the checkpoint would replay the call there, and the double-backward
+      nodes would keep the replay's tensors, which the cost model does not follow.
     - A tensor with an autograd graph left in a plain attribute of a module inside the call,
       where ops behind it that save tensors never run backward (an attention map kept for
       inspection): its nodes keep the checkpoint's frame, and with it what the replay
@@ -86,6 +90,10 @@ def call_blockers(rec: Recording) -> list[str]:
                       "autograd Function, as reversible layers do, or by torch's checkpoint in "
                       "the model's own code): a region would checkpoint that call too, which "
                       "the planner does not model")
+        if not reason and any(c.start <= i <= c.end for i in rec.differentiated_in_forward):
+            reason = ("is differentiated inside the step's forward or loss (torch.autograd.grad "
+                      "there, as for forces or a gradient penalty): a checkpoint would replay "
+                      "it there too, which the planner does not model")
         if not reason and c.reseeds:
             reason = ("seeds torch's random generator in its forward (torch.seed() or "
                       "torch.manual_seed): a replay would seed it again, from a new seed where "

@@ -356,6 +356,10 @@ class Recording:
     """Modules whose forward also ran during backward: recomputed there by a custom autograd
     Function (Reformer's reversible layers rebuild their inputs from their outputs) or by
     torch's checkpoint in the model's own code."""
+    differentiated_in_forward: list[int] = field(default_factory=list)
+    """Forward ops whose autograd node ran backward inside the step's forward or loss
+    (``torch.autograd.grad`` there: forces as the energy's gradient by positions, a gradient
+    penalty in the loss)."""
     rows: dict[int, int] = field(default_factory=dict)
     """Op index -> first dimension of its tensor, for parameters and the ops holding their
     gradients (`solvers.profile.Node.rows`: FSDP2 shards along it)."""
@@ -685,6 +689,8 @@ class _Recorder(TorchDispatchMode):
         self.buffer_sids: set[int] = set()
         self.entered: set[str] = set()
         """Every module whose forward was called."""
+        self.differentiated: set[int] = set()
+        """Forward ops whose node ran backward during the forward or loss phase."""
         self.called_in_backward: set[str] = set()
         """Modules whose forward ran during backward (`Recording.called_in_backward`)."""
         self.applied: int | None = None
@@ -795,6 +801,12 @@ class _Recorder(TorchDispatchMode):
             self._check_hooks()
         seq = torch.autograd._get_sequence_nr()
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
+        if self.phase in ("forward", "loss"):
+            inner = torch._C._current_autograd_node()
+            if inner is not None:  # torch.autograd.grad in the model's forward or its loss
+                owner = self.seq_owner.get(inner._sequence_nr())
+                if owner is not None:
+                    self.differentiated.add(owner)
         in_tensors = _tensors((args, kwargs))
         if (func is torch.ops.aten.lift_fresh.default and in_tensors
                 and id(in_tensors[0].untyped_storage()) not in self.sid_of):
@@ -2046,6 +2058,7 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
         attribute_stores=[(i + n_ph, a, sid) for i, a, sid in rec.attribute_stores],
         attribute_rereads=[(i + n_ph, a) for i, a in rec.attribute_rereads],
         called_in_backward=sorted(rec.called_in_backward),
+        differentiated_in_forward=sorted(shift(i) for i in rec.differentiated),
         sequential={
             n: list(m._modules)
             for n, m in spec.model.named_modules()

@@ -1916,3 +1916,50 @@ def test_an_input_that_requires_grad_gets_its_gradient_in_the_recorded_backward(
     m = measure(model, (x,), repeats=1)
     assert x.grad is None
     assert simulate(prof, ()).peak_bytes == m.peak_bytes
+
+
+class _ForcesPotential(nn.Module):
+    """An energy model trained on forces, minus the energy's gradient by positions taken in
+    forward with ``create_graph=True``, beside a head on the same positions that is not
+    differentiated there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                                  nn.Linear(256, 1))
+        self.head = nn.Sequential(nn.Linear(3, 256), nn.Tanh(), nn.Linear(256, 1))
+
+    def forward(self, pos):
+        pos = pos.requires_grad_(True) if not pos.requires_grad else pos
+        energy = self.body(pos).sum()
+        forces = -torch.autograd.grad(energy, pos, create_graph=True)[0]
+        return energy, forces, self.head(pos.detach())
+
+
+def test_calls_differentiated_inside_forward_are_not_regions():
+    """A checkpoint on a call that ``torch.autograd.grad`` differentiates inside forward
+    replays it there, and the double-backward nodes keep what it recomputed: predicted without
+    that, such a region measured above its prediction by a hidden activation. Those calls are
+    blocked; a region on the rest of the model holds its prediction."""
+    torch.manual_seed(0)
+    model = _ForcesPotential().train()
+    x = torch.randn(2048, 3)
+
+    def loss_fn(out):
+        energy, forces, extra = out
+        return energy.square() + forces.square().mean() + extra.square().mean()
+
+    p = plan(model, None, example_inputs=x, loss_fn=loss_fn)
+    remove(model)
+    blocked = {c.module for c in p.profile.calls if "differentiated inside" in c.blocker}
+    assert {"body", "body.0", "body.2", "body.4"} <= blocked
+    assert not blocked & {"head", "head.0", "head.2"}
+    head = next(s for s in candidate_calls(p.profile) if s.call.module == "head"
+                and s.segment is None)
+    regions = bind(p.profile, (region(p.profile, head.a, head.b),))
+    apply_schedule(model, Schedule(regions=regions, method="test", status="feasible"))
+    try:
+        assert simulate(p.profile, regions).peak_bytes == measure(
+            model, (x,), loss_fn, repeats=1).peak_bytes
+    finally:
+        remove(model)
