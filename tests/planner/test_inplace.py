@@ -1311,23 +1311,32 @@ def test_a_region_replays_after_copyslices_copies_the_gradient():
     under by the two copies."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), _GatedInPlace(), nn.Linear(256, 8)).train()
-    x = torch.randn(16, 64, 256)
+    p = _each_region_as_predicted(model, torch.randn(16, 64, 256), ("1",))
+    assert any(n.before_unpack for n in p.profile.nodes)
+
+
+def _each_region_as_predicted(model: nn.Module, x, modules) -> planner.Plan:
+    """Plan `model`; then, for each of `modules` alone as a region (None: no region), the
+    measured peak equals the predicted one and the loss and gradients the unplanned model's."""
     loss0, want = loss_and_grads(model, x, seed=0)
     p = planner.plan(model, None, example_inputs=x)
     planner.remove(model)
-    assert any(n.before_unpack for n in p.profile.nodes)
-    span = next(s for s in candidate_calls(p.profile) if s.call.module == "1"
-                and s.segment is None)
-    regions = bind(p.profile, (region(p.profile, span.a, span.b),))
-    planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
-    try:
-        measured = p.measure(repeats=1).peak_bytes
-        loss, got = loss_and_grads(model, x, seed=0)
-    finally:
-        planner.remove(model)
-    assert simulate(p.profile, regions).peak_bytes == measured
-    assert torch.equal(loss, loss0)
-    assert_grads_close(got, want)
+    for module in modules:
+        regions = ()
+        if module is not None:
+            span = next(s for s in candidate_calls(p.profile) if s.call.module == module
+                        and s.segment is None)
+            regions = bind(p.profile, (region(p.profile, span.a, span.b),))
+        planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
+        try:
+            measured = p.measure(repeats=1).peak_bytes
+            loss, got = loss_and_grads(model, x, seed=0)
+        finally:
+            planner.remove(model)
+        assert simulate(p.profile, regions).peak_bytes == measured, module
+        assert torch.equal(loss, loss0)
+        assert_grads_close(got, want)
+    return p
 
 
 class _SolveFn(torch.autograd.Function):
@@ -1370,25 +1379,7 @@ def test_a_custom_function_whose_forward_makes_nodes_keeps_its_replayed_saves():
     until it returns. Now `ctx.save_for_backward` names the node."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), _Solver(), nn.Linear(256, 8)).train()
-    x = torch.randn(512, 256)
-    loss0, want = loss_and_grads(model, x, seed=0)
-    p = planner.plan(model, None, example_inputs=x)
-    planner.remove(model)
-    for module in (None, "1", ""):
-        regions = ()
-        if module is not None:
-            span = next(s for s in candidate_calls(p.profile) if s.call.module == module
-                        and s.segment is None)
-            regions = bind(p.profile, (region(p.profile, span.a, span.b),))
-        planner.apply(model, dataclasses.replace(p.schedule, regions=regions))
-        try:
-            measured = p.measure(repeats=1).peak_bytes
-            loss, got = loss_and_grads(model, x, seed=0)
-        finally:
-            planner.remove(model)
-        assert simulate(p.profile, regions).peak_bytes == measured, module
-        assert torch.equal(loss, loss0)
-        assert_grads_close(got, want)
+    _each_region_as_predicted(model, torch.randn(512, 256), (None, "1", ""))
 
 
 class _ScaleFn(torch.autograd.Function):
