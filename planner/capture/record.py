@@ -1071,9 +1071,9 @@ class _Recorder(TorchDispatchMode):
             # backward ops read the copy: they read the original storages
             for st, sid in zip(storages_of(t), p.sids, strict=True):
                 self._alias(st, sid)
-            node = torch._C._current_autograd_node()
+            node = torch._C._current_autograd_node() if self.phase == "backward" else None
             owner = self.seq_owner.get(node._sequence_nr()) if node is not None else None
-            if owner is not None:
+            if owner is not None:  # the step's backward only (autograd.grad in forward unpacks too)
                 self.unpack_at.setdefault(owner, len(self.ops))
             return t
         finally:
