@@ -1361,23 +1361,25 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
     return out_sids, loss_sid, grad_sids
 
 
+def _graph_nodes(root: Any) -> Iterator[Any]:
+    """Every node of the autograd graph behind `root` (a ``grad_fn``), once each."""
+    seen, stack = set(), [root]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)  # held, so that nodes stay alive (and distinct) while the walk lasts
+        yield n
+        stack.extend(f for f, _ in n.next_functions)
+
+
 def _other_leaves(loss: torch.Tensor, wrt: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors other than `wrt` whose gradient ``loss.backward()`` would accumulate: the
     variables of the AccumulateGrad nodes of `loss`'s graph. Their gradients are held to the
     end of the step, as the tensor's ``.grad`` holds them."""
     params = {id(p) for p in wrt}
-    out, seen, stack = [], set(), [loss.grad_fn]
-    while stack:
-        n = stack.pop()
-        if n is None or n in seen:
-            continue
-        seen.add(n)
-        if type(n).__name__ == "AccumulateGrad":
-            if id(n.variable) not in params:
-                out.append(n.variable)
-            continue
-        stack.extend(f for f, _ in n.next_functions)
-    return out
+    return [n.variable for n in _graph_nodes(loss.grad_fn)
+            if type(n).__name__ == "AccumulateGrad" and id(n.variable) not in params]
 
 
 @contextlib.contextmanager
@@ -1406,15 +1408,9 @@ def _watch_nodes(rec: _Recorder, root: Any) -> Iterator[None]:
     def hook(seq: int, *_: Any) -> None:
         rec.applied = seq
 
-    handles, seen, stack = [], {}, [root]
-    while stack:
-        n = stack.pop()
-        if n is None or id(n) in seen:
-            continue
-        seen[id(n)] = n  # held, so that ids stay unique while the walk lasts
-        if type(n).__name__ != "AccumulateGrad":  # writes a leaf's gradient, adds nothing
-            handles.append(n.register_hook(functools.partial(hook, n._sequence_nr())))
-        stack.extend(f for f, _ in n.next_functions)
+    handles = [n.register_hook(functools.partial(hook, n._sequence_nr()))
+               for n in _graph_nodes(root)
+               if type(n).__name__ != "AccumulateGrad"]  # writes a leaf's gradient, adds nothing
     try:
         yield
     finally:
