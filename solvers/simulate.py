@@ -795,11 +795,15 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                 frees.setdefault(ret, []).append(s)
     # Buffers the region updates in place (BatchNorm statistics): the replay runs on copies
     # made as it starts; a copy its replayed ops save (batch norm saves its running statistics)
-    # lives until their backward, the others until the replay returns.
+    # lives until their backward, the others until the replay returns. The region's last saver
+    # packs what it saves even where the stop is the op before it (it saves only its inputs:
+    # batch norm's saves belong to the last getitem of its results).
     if ran and r.buffers:
         recast.setdefault(0, []).extend(r.buffers)
+        last_saver = max((i for i in r.own if g.saves[i] and i not in r.in_idle), default=-1)
         for s in r.buffers:
-            end = max((g.apply_end[i] for i in r.own if i <= r.early_stop and s in g.saves[i]
+            end = max((g.apply_end[i] for i in r.own
+                       if (i <= r.early_stop or i == last_saver) and s in g.saves[i]
                        and i in g.bw_end), default=-1)
             if end >= 0:
                 held[s] = end

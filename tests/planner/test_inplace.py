@@ -337,15 +337,25 @@ def test_batchnorm_running_stats_updated_once_per_step(zoo):
             torch.testing.assert_close(b1[k], b0[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("which", [(1,), (0, 1)])
-def test_a_batchnorm_region_holds_the_copies_of_its_statistics_its_replay_saves(which):
+@pytest.mark.parametrize("ends_in_norm, which", [(False, (1,)), (False, (0, 1)),
+                                                 (True, (0,)), (True, (0, 1))])
+def test_a_batchnorm_region_holds_the_copies_of_its_statistics_its_replay_saves(ends_in_norm,
+                                                                                which):
     """A region's replay runs on copies of the buffers it updates (so that BatchNorm's
     statistics move once per step); batch norm saves the running statistics it is given, so
-    the copies live until its backward, not only while the replay runs."""
+    the copies live until its backward, not only while the replay runs. Where batch norm is
+    the region's last op, the replay stops right after it (its saves belong to its results'
+    last getitem, which saves only its inputs), and the copies still live until its backward
+    (two 1024-float copies were left out before that was counted)."""
     torch.manual_seed(0)
-    model = nn.ModuleList(
-        nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 64))
-        for _ in range(2))
+    if ends_in_norm:
+        model = nn.ModuleList([
+            nn.Sequential(nn.Linear(64, 1024), nn.BatchNorm1d(1024)),
+            nn.Sequential(nn.ReLU(), nn.Linear(1024, 64), nn.BatchNorm1d(64))])
+    else:
+        model = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 64))
+            for _ in range(2))
 
     class Towers(nn.Module):
         def __init__(self):
