@@ -706,6 +706,13 @@ def _check_plannable(model: torch.nn.Module) -> None:
                 f"module {name or '(root)'} has HF gradient checkpointing on; call "
                 "model.gradient_checkpointing_disable() before planning"
             )
+        if getattr(m, "grad_checkpointing", False) is True:
+            raise CkptPlannerError(
+                f"module {name or '(root)'} has timm's grad checkpointing on "
+                "(model.set_grad_checkpointing(), timm's train.py --grad-checkpointing); "
+                "ckpt-planner places checkpoints itself: call "
+                "model.set_grad_checkpointing(False) before planning"
+            )
 
 
 def _infeasible(profile: Profile, budget: int, margin: int = 0) -> InfeasibleBudgetError:

@@ -61,6 +61,11 @@ class PlanOutdatedWarning(UserWarning):
     shape): it still trains correctly, but the plan's memory prediction no longer holds."""
 
 
+_CHECKPOINT_FLAGS = ("gradient_checkpointing", "grad_checkpointing")
+"""Module attributes by which a library checkpoints its own layers (HF's, timm's): turned on
+after planning, they stack checkpoints on the plan's (`_warn_if_changed` warns)."""
+
+
 @dataclass
 class AppliedPlan:
     """What `apply_schedule` changed on a model, so that `remove` can undo it."""
@@ -79,10 +84,11 @@ class AppliedPlan:
     applied: `model.to(dtype)` / `.half()` change it in place, which no registration hook sees.
     (Its device may change: a plan made on one device for another is moved there to train.)"""
     largest_was: torch.dtype | None = None
-    flags: list[tuple[str, Any]] | None = None
-    """(path, weak reference) of each module with a ``gradient_checkpointing`` flag (HF layers,
-    which `gradient_checkpointing_enable()` and `TrainingArguments(gradient_checkpointing=True)`
-    turn on), found on the first step."""
+    flags: list[tuple[str, Any, str]] | None = None
+    """(path, weak reference, flag) of each module with one of `_CHECKPOINT_FLAGS` (HF layers'
+    ``gradient_checkpointing``, which `gradient_checkpointing_enable()` and
+    `TrainingArguments(gradient_checkpointing=True)` turn on; timm's ``grad_checkpointing``,
+    which `set_grad_checkpointing()` turns on), found on the first step."""
     fsdp_groups: list[Any] | None = None
     """FSDP2's parameter groups of the sharded model (their ``reduce_grads`` is gradient sync),
     found on the first step after `fully_shard`."""
@@ -1022,10 +1028,20 @@ def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
             "the model"), stacklevel=2)
         return
     if plan.flags is None:
-        plan.flags = [(path, weakref.ref(m)) for path, m in model.named_modules()
-                      if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
-    on = next((path for path, ref in plan.flags
-               if getattr(ref(), "gradient_checkpointing", False) is True), None)
+        plan.flags = [(path, weakref.ref(m), flag) for path, m in model.named_modules()
+                      for flag in _CHECKPOINT_FLAGS if isinstance(getattr(m, flag, None), bool)]
+    on, flag = next(((path, flag) for path, ref, flag in plan.flags
+                     if getattr(ref(), flag, False) is True), (None, None))
+    if on is not None and flag == "grad_checkpointing":
+        plan.warned = True
+        warnings.warn(PlanOutdatedWarning(
+            f"timm's grad checkpointing was turned on after planning (module {on or '(root)'}; "
+            "model.set_grad_checkpointing() and timm's train.py --grad-checkpointing do this): "
+            "its blocks are now checkpointed on top of the plan. It trains correctly, but "
+            "recomputes what the plan keeps and the plan's predictions no longer hold; turn it "
+            "off (model.set_grad_checkpointing(False)): the plan places the checkpoints"),
+            stacklevel=2)
+        return
     if on is not None:
         plan.warned = True
         warnings.warn(PlanOutdatedWarning(

@@ -1862,9 +1862,38 @@ def _foreign_hooks_error(spec: StepSpec, found: dict[str, str]) -> CkptPlannerEr
     else:
         what = ("saves activations through saved-tensor hooks of its own ("
                 + ", ".join(sorted(hooks)[:2]) + "; e.g. CPU offloading)")
+    flags = _own_checkpoint_flags(spec.model, outer) if what.startswith("calls") else []
+    hint = (" The flag that turns it on is likely " + ", ".join(f"{f}=True" for f in flags[:2])
+            + " (set it to False; timm: model.set_grad_checkpointing(False))."
+            if flags else "")
     return ModelRunError(
         f"{type(spec.model).__name__} {what}, in {where}: what autograd keeps there is hidden "
-        f"from the profile. {_OWN_CHECKPOINT}.")
+        f"from the profile.{hint} {_OWN_CHECKPOINT}.")
+
+
+_OWN_CHECKPOINT_FLAGS = ("grad_checkpointing", "gradient_checkpointing", "use_checkpoint",
+                         "memory_efficient", "checkpoint_activations", "activation_checkpointing",
+                         "use_checkpointing", "checkpointing")
+"""Attributes by which models turn on their own checkpointing: timm's ``grad_checkpointing``,
+DenseNet's ``memory_efficient``, Swin's and many research repositories' ``use_checkpoint``."""
+
+
+def _own_checkpoint_flags(model: torch.nn.Module, paths: list[str]) -> list[str]:
+    """``path.attr`` of each boolean attribute of `_OWN_CHECKPOINT_FLAGS` that is True on a
+    module where the model checkpointed itself, or on one of its ancestors (timm keeps the
+    flag on the model or the stage, and checkpoints its blocks)."""
+    named = dict(model.named_modules())
+    out: list[str] = []
+    for path in paths:
+        parts = [] if path.startswith("(") else path.split(".")
+        for n in range(len(parts), -1, -1):
+            at = ".".join(parts[:n])
+            m = named.get(at)
+            for attr in _OWN_CHECKPOINT_FLAGS:
+                name = f"{at}.{attr}" if at else f"model.{attr}"
+                if m is not None and getattr(m, attr, None) is True and name not in out:
+                    out.append(name)
+    return out
 
 
 def _run_error(spec: StepSpec, rec: _Recorder, e: Exception,

@@ -114,15 +114,21 @@ def _checkpoint_wrapper():
 class _SelfCheckpointing(nn.Module):
     """Checkpoints its own second layer, the way training scripts do by hand."""
 
-    def __init__(self, reentrant: bool = False, offload: bool = False):
+    def __init__(self, reentrant: bool = False, offload: bool = False, flag: str = "",
+                 on: bool = True):
         super().__init__()
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
                                     for _ in range(3))
-        self.reentrant, self.offload = reentrant, offload
+        self.reentrant, self.offload, self.flag = reentrant, offload, flag
+        if flag:  # a flag of the model turns it on, as timm's `grad_checkpointing` does
+            setattr(self, flag, on)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
-            if i != 1:
+            if i != 1 or (self.flag and not getattr(self, self.flag)):
                 x = layer(x)
             elif self.offload:
                 with torch.autograd.graph.save_on_cpu():
@@ -354,6 +360,12 @@ ROWS = [
     Row("the model calls reentrant checkpoint itself", lambda: _own_checkpoint(reentrant=True),
         planner.ModelRunError, r"checkpoint\(use_reentrant=True\) itself.*remove the model's "
         r"own checkpointing"),
+    Row("a flag of the model turns its own checkpointing on",
+        lambda: _own_checkpoint(flag="use_checkpoint"), planner.ModelRunError,
+        r"calls torch.utils.checkpoint itself, in layers.1:.*likely model.use_checkpoint=True "
+        r"\(set it to False"),
+    Row("timm's grad checkpointing on", lambda: _own_checkpoint(flag="grad_checkpointing"),
+        CkptPlannerError, r"timm's grad checkpointing on.*model.set_grad_checkpointing\(False\)"),
     Row("the model offloads activations itself", lambda: _own_checkpoint(offload=True),
         planner.ModelRunError, r"saved-tensor hooks of its own.*in layers.1:"),
     Row("profile of a model that carries a plan", _profile_a_planned_model,
@@ -460,6 +472,24 @@ def test_hf_gradient_checkpointing_turned_on_after_planning_warns_once():
     with warnings.catch_warnings():  # the copy has flags of its own, still off
         warnings.simplefilter("error", PlanOutdatedWarning)
         twin(**x).loss.backward()
+
+
+def test_timm_grad_checkpointing_turned_on_after_planning_warns_once():
+    # what timm's train.py --grad-checkpointing does: model.set_grad_checkpointing(True)
+    torch.manual_seed(0)
+    model, x = _SelfCheckpointing(flag="grad_checkpointing", on=False).train(), torch.randn(4, 8)
+    planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanOutdatedWarning)
+        model(x).sum().backward()  # as planned: no warning
+    model.set_grad_checkpointing(True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(x).sum().backward()
+        model(x).sum().backward()
+    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    assert len(msgs) == 1 and "timm's grad checkpointing was turned on after planning" in msgs[0]
+    assert "set_grad_checkpointing(False)" in msgs[0]
 
 
 def test_a_step_under_another_autocast_than_planned_warns_once():
