@@ -10,6 +10,7 @@ import datetime
 import json
 from collections import Counter
 
+from planner.capture.record import ModuleCall as RecordedCall
 from planner.capture.record import OpRecord, Recording, Staged
 from solvers.profile import FIXED_PHASES, ModuleCall, Node, Profile, ProfileMeta
 
@@ -254,14 +255,32 @@ def _writes(rec: Recording) -> tuple[dict[int, int], list[tuple[int, int]]]:
     return made_at, writes
 
 
-def _stage_fields(rec: Recording, st: Staged, names: list[str], made_at: dict[int, int],
-                  writes: list[tuple[int, int]], fixed: set[int]) -> dict:
-    """The `ModuleCall` stage fields of a staged call: stage spans as node names, how far a
+def _own_buffer_writes(rec: Recording, c: RecordedCall) -> list[tuple[int, int]]:
+    """In-place writes (op, storage) to module buffers by call `c`'s own code, outside the
+    submodule calls it makes: timm's BatchNormAct2d calls ``F.batch_norm`` on its own running
+    statistics and increments ``num_batches_tracked`` in its forward. A run of the call's traced
+    stages holding one would update the buffer again as it replays (a run gets no buffer
+    copies: those are made per module call), and its checkpoint, passed the buffer as an
+    argument, raises in backward that the buffer was modified in place."""
+    buffers = {r.storage for r in rec.ops if _is_buffer(r)}
+    inner = [(k.start, k.end) for k in rec.calls
+             if k is not c and c.start <= k.start and k.end <= c.end]
+    return [(i, s) for i in range(c.start, c.end + 1) if rec.ops[i].phase == "forward"
+            for s in rec.ops[i].writes
+            if s in buffers and not any(a <= i <= b for a, b in inner)]
+
+
+def _stage_fields(rec: Recording, c: RecordedCall, st: Staged, names: list[str],
+                  made_at: dict[int, int], writes: list[tuple[int, int]],
+                  fixed: set[int]) -> dict:
+    """The `ModuleCall` stage fields of staged call `c`: stage spans as node names, how far a
     region starting at each stage may reach before one of `writes` (`_writes`) to a tensor made
-    before its start, and the call's tensor arguments each stage reads (not `fixed` ones)."""
+    before its start or one of the call's own writes to a buffer (`_own_buffer_writes`: no run
+    holds one), and the call's tensor arguments each stage reads (not `fixed` ones)."""
     starts, stop = list(st.ops[:-1]), st.ops[-1]
     lasts = [nxt - 1 for nxt in (*starts[1:], stop)]
     inside = [(i, s) for i, s in writes if starts[0] <= i < stop]
+    inside += [(i, -1) for i, _ in _own_buffer_writes(rec, c) if starts[0] <= i < stop]
     limits = []
     for k, a in enumerate(starts):
         first = min((i for i, s in inside if i >= a and made_at.get(s, -1) < a), default=stop)
@@ -342,7 +361,8 @@ def to_profile(
             restores=rs,
             holds=tuple(sorted((c.holds | (c.args - _read_by(rec, c))) - fixed)),
             children=tuple(rec.sequential.get(c.module, ())),
-            **(_stage_fields(rec, st, names, made_at, writes, fixed) if st is not None else {}),
+            **(_stage_fields(rec, c, st, names, made_at, writes, fixed)
+               if st is not None else {}),
         ))
     meta = ProfileMeta(
         model_class=model_class,

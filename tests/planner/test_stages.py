@@ -1018,3 +1018,43 @@ def test_generated_code_holds_the_objects_later_stages_are_passed():
     assert len(pairs) >= 8
     for pair in pairs:
         _exact_and_equal(model, x, p, list(pair), loss0, want)
+
+
+class _NormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d in short: batch norm written out in the module's own forward (its
+    running statistics and counter updated by its own code, not by a submodule's), with ops
+    before and after it that a run of stages could hold."""
+
+    def forward(self, x):
+        x = x * 2.0
+        x = x.sin()
+        self.num_batches_tracked.add_(1)
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True,
+                         0.1, self.eps)
+        x = F.gelu(x)
+        return x.cos() + 1.0
+
+
+def test_no_run_holds_a_forwards_own_update_of_its_buffers():
+    """A run holding the module's own in-place update of a buffer would update it again as it
+    replays (runs get no buffer copies) and, passed the buffer as an argument, its checkpoint
+    raised in backward that it had been modified in place. Every run of stages left must train
+    as the unplanned model does, statistics updated once per step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), _NormAct(8), nn.Conv2d(8, 4, 3)).train()
+    x = torch.randn(2, 3, 12, 12)
+    prof = planner.profile(model, x, repeats=1)
+    call = next(c for c in prof.calls if c.module == "1")
+    assert call.staged and len(call.stages) >= 4
+    runs = [s for s in candidate_calls(prof) if s.call.module == "1" and s.staged
+            and s.segment is not None]
+    assert runs  # runs before and after the update remain
+    twin = copy.deepcopy(model)
+    _, g0 = loss_and_grads(twin, x)
+    for s in runs:
+        planned = copy.deepcopy(model)
+        apply_schedule(planned, Schedule(regions=bind(prof, (region(prof, s.a, s.b),))))
+        _, g1 = loss_and_grads(planned, x)
+        assert_grads_close(g0, g1)
+        for k, b in twin.named_buffers():
+            assert torch.equal(dict(planned.named_buffers())[k], b), (s.segment, k)
