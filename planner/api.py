@@ -409,12 +409,16 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
     `budget_bytes`, unless `judge_budget` is False (a plan for `torch.compile`, whose budget
     holds for the compiled step, not the eager one measured here)."""
     loss_fn = loss_fn or default_loss
+    b0: dict[str, torch.Tensor] = {}
+    b1: dict[str, torch.Tensor] = {}
     with (reference() if callable(reference) else reference) as ref:
-        l0, g0 = _one_step(ref, example_inputs, loss_fn, autocast=autocast)
+        l0, g0 = _one_step(ref, example_inputs, loss_fn, autocast=autocast, buffers_out=b0)
         m0 = measure(ref, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
                      optimizer=optimizer, held_bytes=held_bytes, grads_held=grads_held)
     with planned as mod:
-        l1, g1 = _one_step(mod, example_inputs, loss_fn, planned_params, autocast)
+        # a graph plan's module (`planned_params`) names its buffers otherwise: not compared
+        l1, g1 = _one_step(mod, example_inputs, loss_fn, planned_params, autocast,
+                           buffers_out=b1 if planned_params is None else None)
         m1 = measure(mod, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
                      optimizer=optimizer, held_bytes=held_bytes, grads_held=grads_held)
     if not torch.allclose(l0, l1, rtol=rtol, atol=atol):
@@ -439,6 +443,17 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
             raise AssertionError(f"gradient of {name} differs beyond rtol={rtol}")
         denom = a.abs().max().item() or 1.0
         worst = max(worst, (a - b).abs().max().item() / denom)
+    for name in sorted(b0.keys() & b1.keys()):
+        a, b = b0[name], b1[name]
+        if a.layout != torch.strided or b.layout != torch.strided:  # a sparse adjacency
+            a, b = a.to_dense(), b.to_dense()
+        same = torch.equal(a, b) if not (a.is_floating_point() or a.is_complex()) \
+            else a.shape == b.shape and torch.allclose(a, b, rtol=rtol, atol=atol,
+                                                        equal_nan=True)
+        if not same:
+            raise AssertionError(
+                f"buffer {name} differs after the planned step (the unplanned step left "
+                "another value): a region's replay updated it again, or from another state")
     if schedule.regions and m1.peak_bytes >= m0.peak_bytes:
         raise PlanNotEffectiveError(
             f"the plan has {len(schedule.regions)} checkpointed regions but the measured peak "
@@ -468,9 +483,11 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
 
 def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
               owner: torch.nn.Module | None = None,
-              autocast: torch.dtype | None = None) -> tuple[torch.Tensor, dict]:
+              autocast: torch.dtype | None = None,
+              buffers_out: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
     """Loss and gradients (of `owner`'s parameters, by default `module`'s) of one step from a
-    fixed seed; parameters, buffers, grads restored."""
+    fixed seed; parameters, buffers, grads restored. With `buffers_out`, also `owner`'s buffers
+    as the step left them (BatchNorm's statistics), put there by name."""
     args, kwargs = split_inputs(example_inputs)
     owner = owner if owner is not None else module
     params = dict(owner.named_parameters())
@@ -488,6 +505,8 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
             loss = loss_fn(module(*args, **kwargs))
         loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+    if buffers_out is not None:
+        buffers_out.update((k, b.detach().clone()) for k, b in owner.named_buffers())
     with torch.no_grad():
         for k, v in owner.state_dict(keep_vars=True).items():  # the tensors, not views
             if k in state:

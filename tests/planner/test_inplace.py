@@ -8,6 +8,7 @@ budget and equal to the prediction (1%).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import random
@@ -20,6 +21,7 @@ from torch import nn
 import planner
 from benchmarks.state_probe import EMACodebook, qat_cnn
 from benchmarks.training_code_probe import SpectralDisc
+from planner import inplace
 from planner.api import SLACK_BYTES, plan_from_profile, region_label
 from planner.capture.record import default_loss
 from planner.inplace import (
@@ -335,6 +337,28 @@ def test_batchnorm_running_stats_updated_once_per_step(zoo):
             assert b1[k].item() == b0[k].item() > 0, k
         else:
             torch.testing.assert_close(b1[k], b0[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_verify_compares_the_buffers_a_step_leaves(monkeypatch):
+    """`verify` compares the buffers the planned step leaves with the unplanned step's, not
+    only loss and gradients: a replay that updates BatchNorm's statistics again (here, with
+    the replay's buffer copies turned off) trains with equal gradients and corrupts them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 512), nn.BatchNorm1d(512), nn.ReLU(),
+                                          nn.Linear(512, 16)) for _ in range(3))).train()
+    x = torch.randn(256, 16)
+    p = planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    assert any(r.buffers for r in p.schedule.regions)
+    p.verify(repeats=1)  # the replay runs on copies: statistics as unplanned
+
+    @contextlib.contextmanager
+    def no_copies(slots, start=None):
+        yield
+
+    monkeypatch.setattr(inplace, "_buffer_copies", no_copies)
+    with pytest.raises(AssertionError, match=r"buffer 0\.1\.\w+ differs after the "
+                                             r"planned step"):
+        p.verify(repeats=1)
 
 
 @pytest.mark.parametrize("ends_in_norm, which", [(False, (1,)), (False, (0, 1)),
