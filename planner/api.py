@@ -969,8 +969,11 @@ def plan(
         # Memory moves from batch to batch: measure the planned step on other batches (or other
         # random draws) and keep the overshoot, plus the spread of value-dependent memory,
         # below the budget.
+        # Where the margin does not converge (a batch's peak does not fall with the plan's
+        # regions: an op with more scratch memory on its shape), the lowest plan there is, if
+        # it holds; else the budget is out of reach for those batches.
         margin = 0
-        for _ in range(MARGIN_ROUNDS):
+        for k in range(MARGIN_ROUNDS + 2):
             with as_sharded():
                 peaks = _peaks(model, example_inputs, list(extra_inputs), loss_fn, autocast,
                                optimizer, _must_run(prof), prof.held_bytes, prof.meta.grads_held)
@@ -979,10 +982,17 @@ def plan(
                     - (budget - SLACK_BYTES))
             if need <= 0:
                 break
-            margin += need
             remove(model)
-            p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
-                                  time_limit_s=time_limit_s, margin_bytes=margin)
+            if k > MARGIN_ROUNDS:
+                raise _batches_over_budget(budget, peaks, need, bool(extra_inputs))
+            if k < MARGIN_ROUNDS:
+                margin += need
+                p = plan_from_profile(model, prof, budget_bytes=budget, method=method,
+                                      time_limit_s=time_limit_s, margin_bytes=margin)
+            else:
+                p = plan_from_profile(model, prof, budget_bytes=None, method=method,
+                                      time_limit_s=time_limit_s)
+                p.budget_bytes = budget
             p.local_profile = local
     if _distributed() and world > 1:
         p = _agree(model, p)
@@ -991,6 +1001,23 @@ def plan(
     p.mp_policy, p.fsdp_units = (mp_policy, tuple(units)) if mp else (None, ())
     p.seconds = {"profile": time.perf_counter() - t0, **p.seconds}
     return p
+
+
+def _batches_over_budget(budget: int, peaks: list[int], need: int,
+                         given: bool) -> InfeasibleBudgetError:
+    """The error for a budget that the smallest-peak plan holds on the example batch but not on
+    another (`peaks`: the example's, then each other batch's or random draw's)."""
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    what = ("the example batch" if worst == 0 else f"extra_inputs[{worst - 1}]" if given
+            else "another random draw of the example batch")
+    return InfeasibleBudgetError(
+        f"the budget {format_bytes(budget)} does not hold for {what}: with the plan at the "
+        f"smallest peak, after {MARGIN_ROUNDS} re-plans keeping a margin free, its step measured "
+        f"{format_bytes(peaks[worst])} ({format_bytes(peaks[0])} on the example batch), "
+        f"{format_bytes(need)} more than the budget leaves. Its memory does not fall with "
+        "the plan's regions (an op that takes more scratch memory on that batch's shape, or "
+        f"memory that depends on values). A budget of {format_bytes(budget + need)} holds it; "
+        "or plan for that batch's shape on its own.")
 
 
 def _distributed() -> bool:
