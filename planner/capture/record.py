@@ -1644,6 +1644,13 @@ def record_step(
             input_shapes[key] = list(leaf.shape)
             rec.register_fixed("input", f"input{key}", leaf)
     warm_up_error = None if fake else _warm_up(spec)
+    if not fake:
+        # a buffer the warm-up's forward registered (built on first call: litgpt's LoRA index)
+        # is held before every later step, beside the others, not a constant the model holds
+        # elsewhere (`Profile.held_bytes`, which `measure` adds to the module's buffers)
+        for name, b in spec.model.named_buffers():
+            if name not in spec.buffers:
+                rec.register_fixed("buffer", name, b)
     with restoring(spec):
         try:
             with rec:

@@ -492,6 +492,30 @@ def test_what_the_first_call_builds_and_keeps_is_fixed_memory():
         remove(model)
 
 
+class _LazyBuffer(_LazyIndex):
+    """Registers its index as a buffer on first use, as litgpt's LoRA layers do (``_lora_ind``),
+    and reads a clone of it every call."""
+
+    def forward(self, x):
+        if not hasattr(self, "index"):
+            self.register_buffer("index", torch.arange(self.table.shape[0]).flip(0),
+                                 persistent=False)
+        return self.proj(x) + self.table[self.index.clone()].sum(0)
+
+
+def test_a_buffer_registered_on_the_first_call_is_counted_once():
+    """A buffer the warm-up step registers is a buffer of the recorded step, not a constant the
+    model holds elsewhere: `measure` counts the module's buffers and adds `held_bytes`, so as a
+    constant it was counted twice and the measured peak read 8 KiB above the prediction."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_LazyBuffer(), _LazyBuffer()).train(), torch.randn(512, 64)
+    prof = profile(model, x, repeats=1)
+    assert prof.held_bytes == 0
+    m = measure(model, x, repeats=1, held_bytes=prof.held_bytes)
+    assert m.fixed_bytes == prof.fixed_bytes
+    assert simulate(prof).peak_bytes == m.peak_bytes
+
+
 # -- FLOPs -----------------------------------------------------------------------------------------
 def test_cpu_sdpa_flop_formula_is_registered():
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
