@@ -172,9 +172,28 @@ def call_pattern(module: torch.nn.Module, args: tuple, kwargs: dict,
     return Pattern(tuple(out), bool(module.training))
 
 
+class _Proxy(fx.Proxy):
+    """A traced value that notes each attribute the forward sets on it (x-transformers sets
+    ``intermediates.logits = ...`` on the object its layers return): the graph records no such
+    write, so the generated code would return the object without it."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in ("tracer", "node"):
+            self.tracer.value_sets.append(name)
+        object.__setattr__(self, name, value)
+
+
 class _Tracer(fx.Tracer):
     """Every submodule is one call; buffers (and parameters that are plain tensors) are read
     through the graph (so slicing a causal mask by a traced length works)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value_sets: list[str] = []
+        """Attributes the forward set on traced values (`_Proxy`)."""
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return True
@@ -523,9 +542,10 @@ def trace(module: torch.nn.Module, pattern: Pattern) -> StagedGraph | None:
             m.__dict__.update(d)
         written = [k for k, c in held.items() if _put_back(saved[k], c)]
         drew = _drew(host_rng)
-    if added or rebound or written or drew or sets:
+    if added or rebound or written or drew or sets or tracer.value_sets:
         # `sets`: the forward sets an attribute of the module or a child (to the value it
-        # holds, even), which the generated code would not do
+        # holds, even), which the generated code would not do; `tracer.value_sets`, one of
+        # an object it computed or a call returned
         # `drew`: the forward drew from Python's `random` or numpy's RNG (stochastic depth
         # written in Python): a trace would fix one draw's branches for every call
         return None

@@ -1058,3 +1058,71 @@ def test_no_run_holds_a_forwards_own_update_of_its_buffers():
         assert_grads_close(g0, g1)
         for k, b in twin.named_buffers():
             assert torch.equal(dict(planned.named_buffers())[k], b), (s.segment, k)
+
+
+class _Intermediates:
+    """What x-transformers' layers return beside their output: an object the caller adds to."""
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+        self.extra = None
+
+
+class _Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, _Intermediates(h)
+
+
+class _SetsOnReturned(nn.Module):
+    """Sets an attribute on the object a child returned, as x-transformers' TransformerWrapper
+    sets ``intermediates.initial_embeds``: symbolic tracing records no such write."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.body, self.b, self.c = (nn.Linear(32, 32), _Body(), nn.Linear(32, 32),
+                                             nn.Linear(32, 32))
+
+    def forward(self, x):
+        h, inter = self.body(self.a(x).relu())
+        y = self.b(h).sin()
+        inter.extra = self.c(y).tanh()
+        return y, inter
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)) * 2.0 + 1.0)
+
+
+def test_a_forward_that_sets_an_attribute_on_a_value_is_not_traced():
+    """The generated code would return the object without the attribute: the loss below would
+    lose its second term, or read a value an earlier call left. Such a forward gets no stages;
+    the model's other forwards still do, and a plan trains like the model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Mlp(), _SetsOnReturned()).train()
+    x = torch.randn(16, 32)
+    block = model[1]
+    assert trace(block, call_pattern(block, (x,), {})) is None
+
+    def loss_fn(out):
+        y, inter = out
+        return y.pow(2).mean() + inter.extra.pow(2).mean()
+
+    twin = copy.deepcopy(model)
+    p = planner.plan(model, None, example_inputs=x, loss_fn=loss_fn, repeats=1)
+    calls = {c.module: c for c in p.profile.calls}
+    assert not calls["1"].stages and calls["0"].stages
+    v = p.verify(repeats=1)
+    assert v.max_grad_rel_err == 0.0
+    planner.remove(model)
+    out0, out1 = twin(x), model(x)
+    torch.testing.assert_close(out0[1].extra, out1[1].extra)
