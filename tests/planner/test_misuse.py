@@ -418,17 +418,22 @@ def test_the_table_is_long_enough():
     assert len(ROWS) >= 25
 
 
+def _outdated(step, times: int = 2) -> list[str]:
+    """The PlanOutdatedWarning messages of `times` calls of `step` (one training step each)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(times):
+            step()
+    return [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+
+
 def test_a_model_changed_after_planning_warns_once():
     model, x = _gpt()
     planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
     model.lm_head = nn.Linear(32, 64, bias=False)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        model(x).sum().backward()
-        model(x).sum().backward()
-    outdated = [w for w in seen if issubclass(w.category, PlanOutdatedWarning)]
-    assert len(outdated) == 1 and "module lm_head" in str(outdated[0].message)
-    assert "re-plan" in str(outdated[0].message)
+    msgs = _outdated(lambda: model(x).sum().backward())
+    assert len(msgs) == 1 and "module lm_head" in msgs[0]
+    assert "re-plan" in msgs[0]
 
 
 def test_a_model_converted_to_another_dtype_after_planning_warns_once():
@@ -440,11 +445,7 @@ def test_a_model_converted_to_another_dtype_after_planning_warns_once():
         model(x).sum().backward()  # as planned: no warning
         twin(x).sum().backward()  # a copy checks its own parameters
     model.to(torch.float64)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        model(x).sum().backward()
-        model(x).sum().backward()
-    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    msgs = _outdated(lambda: model(x).sum().backward())
     assert len(msgs) == 1 and "converted to torch.float64" in msgs[0] and "re-plan" in msgs[0]
     twin.double()
     with pytest.warns(PlanOutdatedWarning, match="converted to torch.float64"):
@@ -462,11 +463,7 @@ def test_hf_gradient_checkpointing_turned_on_after_planning_warns_once():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         model.gradient_checkpointing_enable()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        model(**x).loss.backward()
-        model(**x).loss.backward()
-    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    msgs = _outdated(lambda: model(**x).loss.backward())
     assert len(msgs) == 1 and "gradient checkpointing was turned on after planning" in msgs[0]
     assert "gradient_checkpointing_disable()" in msgs[0]
     with warnings.catch_warnings():  # the copy has flags of its own, still off
@@ -483,11 +480,7 @@ def test_timm_grad_checkpointing_turned_on_after_planning_warns_once():
         warnings.simplefilter("error", PlanOutdatedWarning)
         model(x).sum().backward()  # as planned: no warning
     model.set_grad_checkpointing(True)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        model(x).sum().backward()
-        model(x).sum().backward()
-    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    msgs = _outdated(lambda: model(x).sum().backward())
     assert len(msgs) == 1 and "timm's grad checkpointing was turned on after planning" in msgs[0]
     assert "set_grad_checkpointing(False)" in msgs[0]
 
@@ -513,11 +506,7 @@ def test_a_step_under_another_autocast_than_planned_warns_once():
         with torch.autocast("cpu", dtype=torch.float16):  # another dtype of the same size
             loss = model(x).float().sum()
         loss.backward()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        model(x).sum().backward()
-        model(x).sum().backward()
-    msgs = [str(w.message) for w in seen if issubclass(w.category, PlanOutdatedWarning)]
+    msgs = _outdated(lambda: model(x).sum().backward())
     assert len(msgs) == 1 and "can pass the budget" in msgs[0]
 
 
