@@ -506,7 +506,8 @@ class _LazyBuffer(_LazyIndex):
 def test_a_buffer_registered_on_the_first_call_is_counted_once():
     """A buffer the warm-up step registers is a buffer of the recorded step, not a constant the
     model holds elsewhere: `measure` counts the module's buffers and adds `held_bytes`, so as a
-    constant it was counted twice and the measured peak read 8 KiB above the prediction."""
+    constant it was counted twice, and the measured peak read above the prediction by the
+    buffers' bytes."""
     torch.manual_seed(0)
     model, x = nn.Sequential(_LazyBuffer(), _LazyBuffer()).train(), torch.randn(512, 64)
     prof = profile(model, x, repeats=1)

@@ -179,8 +179,8 @@ def test_a_batch_the_margin_cannot_bring_under_the_budget_is_an_error(monkeypatc
     """Where re-planning with a margin does not bring another batch under the budget (its peak
     is an op's scratch memory, which no region shrinks), `plan` tries the smallest-peak plan,
     and where that does not hold either, raises naming the batch and the budget that would
-    hold, leaving the model unplanned. (Before, the last re-plan was returned unmeasured: a
-    timm EfficientNet's 48 x 48 batch under bf16 then measured 4.20 MB against 4.00.)"""
+    hold, leaving the model unplanned. (Before, the last re-plan was returned unmeasured, its
+    other batch over the budget.)"""
     monkeypatch.setattr(planner.api, "MARGIN_ROUNDS", 0)  # straight to the smallest peak
     torch.manual_seed(0)
     model = _DepthwiseOnChannelsLast().train()
