@@ -184,6 +184,9 @@ class _Reg:
     in_idle: frozenset[int] = frozenset()
     """The nodes of those calls: what they save goes to their own checkpoints' frames, which
     nothing unpacks, so this region's frame and replay keep none of it."""
+    last_saver: int = -1
+    """Its last own node that saves for backward (outside `in_idle`): the replay packs what it
+    saves even where the early stop is the node before it (it saves only its inputs)."""
     traced: tuple[tuple[int, int, list[int], list[int]], ...] = ()
     """The calls that run their generated code under the schedule (`_traced_calls`: the call
     a run of stages is part of, and any such call in its span), each as (first node, last
@@ -342,6 +345,7 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
         # neither extends this region's replay nor triggers it.
         r.in_idle = frozenset(i for a, b, *_ in r.idle for i in range(a, b + 1))
         savers = [i for i in r.own if g.saves[i] and i not in r.in_idle]
+        r.last_saver = max(savers, default=-1)
         calls = [out[c].nodes[0] for c in r.children] + idle_calls.get(n, [])
         if not calls:
             # The replay runs the region's ops up to the early stop (`solvers.chain.early_stops`);
@@ -352,7 +356,7 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
             # A child's inputs count as tensors the parent saves, packed as the child starts: the
             # parent's replay stops at its last own saver (inside it, as for a flat region) or at
             # the start of its last child, before the child's ops.
-            last_own = max(savers, default=-1)
+            last_own = r.last_saver
             last_child = max(calls)
             if last_child > last_own:
                 r.early_stop = last_child - 1
@@ -800,10 +804,9 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
     # batch norm's saves belong to the last getitem of its results).
     if ran and r.buffers:
         recast.setdefault(0, []).extend(r.buffers)
-        last_saver = max((i for i in r.own if g.saves[i] and i not in r.in_idle), default=-1)
         for s in r.buffers:
             end = max((g.apply_end[i] for i in r.own
-                       if (i <= r.early_stop or i == last_saver) and s in g.saves[i]
+                       if (i <= r.early_stop or i == r.last_saver) and s in g.saves[i]
                        and i in g.bw_end), default=-1)
             if end >= 0:
                 held[s] = end
