@@ -111,12 +111,25 @@ def _smaller_batch(case, amp, budget: int):
     except Exception as e:  # noqa: BLE001 - reported in the table
         return f"RAISES {type(e).__name__}: {str(e).splitlines()[0][:100]}"
 
+    def equal(a, b) -> bool:
+        (la, ga), (lb, gb) = a, b
+        return ga.keys() == gb.keys() and torch.allclose(la, lb, rtol=1e-5, atol=1e-6) and all(
+            torch.allclose(ga[k], gb[k], rtol=1e-5, atol=1e-6) for k in ga)
+
     def cell() -> str:
-        l0, g0 = _one_step(case.model, case.small_inputs, loss_fn, autocast=amp)
-        same = g0.keys() == g1.keys() and torch.allclose(l1, l0, rtol=1e-5, atol=1e-6) and all(
-            torch.allclose(g1[k], g0[k], rtol=1e-5, atol=1e-6) for k in g0)
+        unplanned = _one_step(case.model, case.small_inputs, loss_fn, autocast=amp)
         fits = "within budget" if peak <= budget else "OVER BUDGET"
-        return f"{peak / KiB:.1f}, {fits}, {'equal' if same else 'GRADS DIFFER'}"
+        if equal((l1, g1), unplanned):
+            return f"{peak / KiB:.1f}, {fits}, equal"
+        # Some kernels' results depend on where their buffers lie (oneDNN's bf16 3-D
+        # convolutions): then the unplanned step differs from itself as much.
+        again = [_one_step(case.model, case.small_inputs, loss_fn, autocast=amp) for _ in range(3)]
+        spread = max(float((unplanned[1][k] - a[1][k]).abs().max()) for a in again for k in g1)
+        off = max(float((unplanned[1][k] - g1[k]).abs().max()) for k in g1)
+        if not all(equal(unplanned, a) for a in again):
+            return (f"{peak / KiB:.1f}, {fits}, grads differ by {off:.1e}; the unplanned step "
+                    f"differs from itself by {spread:.1e}")
+        return f"{peak / KiB:.1f}, {fits}, GRADS DIFFER"
 
     return cell
 
