@@ -361,6 +361,32 @@ def test_verify_compares_the_buffers_a_step_leaves(monkeypatch):
         p.verify(repeats=1)
 
 
+class _MemorySlots(nn.Module):
+    """Learned key/value slots prepended to the sequence, configured to none (a parameter with
+    no elements that still gets a gradient, as lucidrains' ``num_mem_kv=0``)."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__()
+        self.mem = nn.Parameter(torch.randn(slots, 32))
+        self.ff = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.mem.expand(x.shape[0], -1, -1), x], 1)
+        return self.ff(x)[:, self.mem.shape[0]:]
+
+
+def test_verify_takes_a_parameter_with_no_elements():
+    """A parameter with no elements gets an empty gradient: verify compares it (shapes equal)
+    instead of raising on its maximum."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_MemorySlots(0) for _ in range(3))).train()
+    x = torch.randn(8, 64, 32)
+    p = planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
+    assert p.schedule.regions
+    v = p.verify(repeats=1)
+    assert v.max_grad_rel_err == 0.0
+
+
 @pytest.mark.parametrize("ends_in_norm, which", [(False, (1,)), (False, (0, 1)),
                                                  (True, (0,)), (True, (0, 1))])
 def test_a_batchnorm_region_holds_the_copies_of_its_statistics_its_replay_saves(ends_in_norm,
