@@ -2184,7 +2184,10 @@ class _StagingForward:
         marks: list[tuple[int, int]] = []
         made: dict[int, list[tuple[int, int] | None]] = {}
         objects: dict[int, Any] = {}
-        names, made_by = self.rec.names, self.rec.made_by or {}
+        # the recorder's own dict, filled as ops run: empty (falsy) where this forward is the
+        # step's first call (the root's), so `or {}` would have read a dict nothing fills
+        names = self.rec.names
+        made_by = self.rec.made_by if self.rec.made_by is not None else {}
 
         def makers(tensors: list[torch.Tensor]) -> list[tuple[int, int] | None]:
             return [made_by.get(id(t.untyped_storage())) for t in tensors

@@ -1126,3 +1126,27 @@ def test_a_forward_that_sets_an_attribute_on_a_value_is_not_traced():
     planner.remove(model)
     out0, out1 = twin(x), model(x)
     torch.testing.assert_close(out0[1].extra, out1[1].extra)
+
+
+def test_a_run_of_the_roots_stages_keeps_earlier_stages_outputs_it_is_passed():
+    """The same encoder as the model itself: its forward is the step's first call, so the
+    stage run notes the values its stages make from its first op on. The recorder's map of
+    which op made each storage was still empty as the root's traced forward started, and the
+    stage run read a fresh dict in its place: no earlier stage's value was a run's argument,
+    and the runs' frames were predicted to keep none of those they never read."""
+    torch.manual_seed(0)
+    model = _HiddensEncoder().train()
+    x = torch.randn(4, 48, 64)
+    loss0, want = loss_and_grads(model, x, seed=0)
+    p = planner.plan(model, None, example_inputs=x)
+    planner.remove(model)
+    prof = p.profile
+    root = next(c for c in prof.calls if c.module == "")
+    assert root.stages and any(root.stage_args[1:])
+    spans = [s for s in candidate_calls(prof) if s.call.module == "" and s.segment is not None]
+    last = max(s.segment[1] for s in spans)
+    pairs = [(s, t) for s in spans for t in spans if s.segment[0] == 0
+             and t.segment == (s.segment[1] + 1, last)]
+    assert len(pairs) >= 8
+    for s, t in pairs:
+        _exact_and_equal(model, x, p, [s, t], loss0, want)
