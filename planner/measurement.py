@@ -192,12 +192,24 @@ def measure(
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, dev)
 
+    def same_buffers() -> None:
+        """Every step starts from the buffer values the first did: a step's memory can depend
+        on them (the Routing Transformer's k-means centroids, which a backward hook moves every
+        step, route tokens). A buffer the warm-up gave its shape (a quantization observer's
+        statistics start empty) keeps it, as in the profile's recorded step."""
+        if saved_state is not None:
+            with torch.no_grad():
+                for b, v in zip(module.buffers(), saved_state[1], strict=True):
+                    if b.shape == v.shape:
+                        b.copy_(v)
+
     with python_state(module) if restore else contextlib.nullcontext():
         try:
             for _ in range(warmup):
                 reset(module)
                 _step(module, args, kwargs, loss_fn, optimizer, None, amp)
                 same_draw()
+                same_buffers()
             reset(module)
             fixed = fixed_bytes(module, example_inputs, optimizer) + held_bytes + (
                 _storages_bytes([p.grad for p in params]) if grads_held else 0)

@@ -920,6 +920,38 @@ def test_value_dependent_model_profiles_in_measure_mode():
     assert not next(c for c in prof.calls if c.module == "inner").blocker
 
 
+class _MovingThreshold(nn.Module):
+    """Keeps the activations above a threshold it raises after every step (as the Routing
+    Transformer's backward hook moves its k-means centroids): how much a step keeps depends on
+    the buffer's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 1024)
+        self.register_buffer("threshold", torch.zeros(()))
+        self.lin.register_full_backward_hook(self._raise)
+
+    def _raise(self, *_):
+        self.threshold.add_(1.0)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.sum() + h[h > self.threshold].square().sum()
+
+
+def test_the_step_measured_starts_from_the_buffers_the_profile_started_from():
+    """measure's warm-up step moves the threshold; the step it measures then kept less than
+    the one profiled (a peak below the prediction, unplanned). Every measured step starts from
+    the buffers' values at the call, as the profile's recorded step does."""
+    torch.manual_seed(0)
+    model = _MovingThreshold()
+    x = torch.randn(256, 64)
+    prof = profile(model, x, repeats=1)
+    assert model.threshold.item() == 0.0
+    assert simulate(prof).peak_bytes == measure(model, x, repeats=1).peak_bytes
+    assert model.threshold.item() == 0.0
+
+
 def test_value_dependent_model_in_estimate_mode_names_the_module():
     with pytest.raises(ModelRunError, match=r"estimate mode.*'inner'.*measure mode"):
         profile(_Outer(), torch.randn(4, 8), mode="estimate")
