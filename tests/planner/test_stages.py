@@ -881,15 +881,22 @@ def test_a_run_keeps_earlier_stages_outputs_it_is_passed_but_never_reads():
     earlier stage made each value a run takes: predicted = measured on every pair."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), _HiddensEncoder(), nn.Linear(64, 512)).train()
+    _pairs_of_runs_exact(model, "1")
+
+
+def _pairs_of_runs_exact(model: nn.Module, module: str) -> None:
+    """Plan `model`; `module`'s later stages must be passed earlier stages' values; then each
+    pair of runs (one from the first stage, one of every stage after it), both checkpointed,
+    is predicted = measured with the unplanned gradients."""
     x = torch.randn(4, 48, 64)
     loss0, want = loss_and_grads(model, x, seed=0)
     p = planner.plan(model, None, example_inputs=x)
     planner.remove(model)
     prof = p.profile
-    assert next(c for c in prof.calls if c.module == "1").stages
-    spans = [s for s in candidate_calls(prof) if s.call.module == "1" and s.segment is not None]
+    call = next(c for c in prof.calls if c.module == module)
+    assert call.stages and any(call.stage_args[1:])
+    spans = [s for s in candidate_calls(prof) if s.call.module == module and s.segment is not None]
     last = max(s.segment[1] for s in spans)
-    # a run from the first stage, and the run of every stage after it
     pairs = [(s, t) for s in spans for t in spans if s.segment[0] == 0
              and t.segment == (s.segment[1] + 1, last)]
     assert len(pairs) >= 8
@@ -1135,18 +1142,4 @@ def test_a_run_of_the_roots_stages_keeps_earlier_stages_outputs_it_is_passed():
     stage run read a fresh dict in its place: no earlier stage's value was a run's argument,
     and the runs' frames were predicted to keep none of those they never read."""
     torch.manual_seed(0)
-    model = _HiddensEncoder().train()
-    x = torch.randn(4, 48, 64)
-    loss0, want = loss_and_grads(model, x, seed=0)
-    p = planner.plan(model, None, example_inputs=x)
-    planner.remove(model)
-    prof = p.profile
-    root = next(c for c in prof.calls if c.module == "")
-    assert root.stages and any(root.stage_args[1:])
-    spans = [s for s in candidate_calls(prof) if s.call.module == "" and s.segment is not None]
-    last = max(s.segment[1] for s in spans)
-    pairs = [(s, t) for s in spans for t in spans if s.segment[0] == 0
-             and t.segment == (s.segment[1] + 1, last)]
-    assert len(pairs) >= 8
-    for s, t in pairs:
-        _exact_and_equal(model, x, p, [s, t], loss0, want)
+    _pairs_of_runs_exact(_HiddensEncoder().train(), "")
