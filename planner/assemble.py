@@ -6,6 +6,7 @@ its verdict: can it be a checkpointed region, and if not, why (the `blocker` of 
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 from collections import Counter
@@ -284,10 +285,7 @@ def _stage_fields(rec: Recording, c: RecordedCall, st: Staged, names: list[str],
     limits = []
     for k, a in enumerate(starts):
         first = min((i for i, s in inside if i >= a and made_at.get(s, -1) < a), default=stop)
-        lim = k - 1
-        while lim + 1 < len(starts) and lasts[lim + 1] < first:
-            lim += 1
-        limits.append(lim)
+        limits.append(max(k - 1, bisect.bisect_left(lasts, first) - 1))  # lasts ascend
     return dict(staged=json.dumps({"pattern": st.pattern, "fingerprint": st.fingerprint}),
                 stages=tuple(names[i] for i in starts), stage_last=tuple(names[i] for i in lasts),
                 stage_nodes=tuple(st.nodes), stage_limits=tuple(limits),

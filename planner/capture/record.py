@@ -24,6 +24,7 @@ This module knows nothing about solvers; `planner.assemble` turns a `Recording` 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -1967,8 +1968,19 @@ def _undo_compliance(ops: list[OpRecord], owner: dict[int, int], n_ph: int,
     The output becomes that buffer (as an in-place result is): the storage it allocated is never
     allocated, and the buffer lives as long as the output did. Ops of custom
     `autograd.Function` backwards are left as recorded: their Python chose out of place
-    itself."""
+    itself.
+
+    An output that becomes its buffer is renamed in every later op, lazily: each op takes the
+    renames made so far when the loop reaches it, so that a step of many ops with many such
+    outputs costs one pass."""
+    renamed: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for j, r in enumerate(ops):
+        for x in r.inputs:
+            readers.setdefault(x, []).append(j)
     for i, r in enumerate(ops):
+        if renamed:
+            _rename_storages(r, renamed)
         sid = r.fills
         if (sid is None or (r.python_backward and not r.accumulates) or sid not in r.releases
                 or sid not in owner or len(r.new_storages) != 1
@@ -1980,22 +1992,34 @@ def _undo_compliance(ops: list[OpRecord], owner: dict[int, int], n_ph: int,
             continue
         made = ops[f]
         if not r.accumulates and (made.op not in _ZERO_FACTORIES or made.grad_of != r.grad_of
-                                  or any(f in ops[j].inputs for j in range(f + 1, i))):
+                                  or _read_between(readers.get(f, []), f, i)):
             continue
         out = r.storage
         r.releases.remove(sid)
         r.new_storages = []
         storage_bytes[out] = 0
-        for later in ops[i:]:
-            if later.storage == out:
-                later.storage = sid
-            for field_ in (later.releases, later.writes):
-                field_[:] = [sid if s == out else s for s in field_]
-            if later.fills == out:
-                later.fills = sid
-            if out in later.saves:
-                later.saves.discard(out)
-                later.saves.add(sid)
+        renamed[out] = sid
+        _rename_storages(r, {out: sid})
+
+
+def _read_between(readers: list[int], f: int, i: int) -> bool:
+    """Whether an op strictly between `f` and `i` is in `readers` (ascending op indices)."""
+    k = bisect.bisect_right(readers, f)
+    return k < len(readers) and readers[k] < i
+
+
+def _rename_storages(r: OpRecord, renamed: dict[int, int]) -> None:
+    """Storage numbers of `r` that `renamed` maps, replaced (its inputs are op indices)."""
+    if r.storage in renamed:
+        r.storage = renamed[r.storage]
+    for field_ in (r.releases, r.writes):
+        if any(s in renamed for s in field_):
+            field_[:] = [renamed.get(s, s) for s in field_]
+    if r.fills in renamed:
+        r.fills = renamed[r.fills]
+    for out in [s for s in r.saves if s in renamed]:
+        r.saves.discard(out)
+        r.saves.add(renamed[out])
 
 
 def _rows(spec, rec: _Recorder, ops: list[OpRecord], grad_sids: list[int], owner_of
