@@ -589,32 +589,62 @@ def _segments(profile: Profile, c: ModuleCall, by_module: dict[str, ModuleCall]
     return out
 
 
+MAX_STAGE_STARTS = 128
+"""At most this many stages of one staged call start runs (`_stage_spans`). A forward that loops
+in Python over thousands of small ops (pykan's symbolic layer) would otherwise offer millions of
+runs; past this many, runs start at stages spaced by the bytes their ops allocate, and end where
+a kept start begins or at their limit."""
+
+
 def _stage_spans(profile: Profile, c: ModuleCall) -> list[CallSpan]:
     """Runs of consecutive stages of a staged call (`planner.stages`) that can be one region:
     within the stage's limit, and not the whole call (that is the call's own span). A stage that
     allocates nothing (views, reshapes) joins the stage after it: a run starting or ending at it
-    keeps and replays the same bytes as the run moved to the next allocating stage."""
+    keeps and replays the same bytes as the run moved to the next allocating stage. Runs start
+    at no more than `MAX_STAGE_STARTS` stages."""
     g = graph_index(profile)
     pos = g.position
     n = len(c.stages)
     starts = [pos(x) for x in c.stages]
     lasts = [pos(x) for x in c.stage_last]
+    made = [sum(g.sbytes[s] for k in range(a, b + 1) for s in g.new[g.forward[k]])
+            for a, b in zip(starts, lasts, strict=True)]
     allocates = [any(g.new[g.forward[k]] for k in range(a, b + 1))
                  for a, b in zip(starts, lasts, strict=True)]
     within = [(pos(k.start), pos(k.end), k.buffers) for k in profile.calls
               if k.buffers and starts[0] <= pos(k.start) and pos(k.end) <= lasts[-1]]
+    kept, coarse = _stage_starts(made, allocates)
     out = []
-    for i in range(n):
-        if i and not allocates[i]:
-            continue
-        for j in range(i, c.stage_limits[i] + 1):
-            if j + 1 < n and not allocates[j + 1]:
+    for i in kept:
+        limit = c.stage_limits[i]
+        ends = (sorted({k - 1 for k in kept if i < k <= limit + 1} | {limit}) if coarse
+                else range(i, limit + 1))
+        for j in ends:
+            if j < i or (j + 1 < n and not allocates[j + 1]):
                 continue
             a, b = starts[i], lasts[j]
             buffers = sorted({x for ka, kb, bs in within if a <= ka and kb <= b for x in bs})
             out.append(CallSpan(c, a, b, (c.stage_nodes[i], c.stage_nodes[j + 1] - 1),
                                 tuple(buffers), staged=c.staged))
     return out
+
+
+def _stage_starts(made: list[int], allocates: list[bool]) -> tuple[list[int], bool]:
+    """The stages runs may start at, and whether they are fewer than every one a run could start
+    at: the first and every stage that allocates, or where those are more than
+    `MAX_STAGE_STARTS`, the first and the allocating stages at which the bytes allocated before
+    them pass each of `MAX_STAGE_STARTS` equal steps."""
+    every = [0] + [i for i in range(1, len(made)) if allocates[i]]
+    if len(every) <= MAX_STAGE_STARTS:
+        return every, False
+    step = sum(made) / MAX_STAGE_STARTS
+    out, before, nxt = [0], 0, step
+    for i in range(1, len(made)):
+        before += made[i - 1]
+        if allocates[i] and before >= nxt:
+            out.append(i)
+            nxt = (before // step + 1) * step
+    return out, True
 
 
 def module_calls_only(profile: Profile) -> Profile:
@@ -690,9 +720,24 @@ def _useful_calls(profile: Profile) -> tuple[CallSpan, ...]:
 def useful(profile: Profile, span: CallSpan) -> bool:
     """Checkpointing `span` can lower memory (`useful_calls`)."""
     # saved_made[k]: producer positions of the forward-made storages that position k saves; a
-    # span [a, b] is useful iff some k in [a, b] saves s with a <= made[s] <= k.
-    saved_made = cached(profile, "saved_made", _saved_made)
-    return any(span.a <= p for k in range(span.a, span.b + 1) for p in saved_made[k])
+    # span [a, b] is useful iff some k in [a, b] saves s with a <= made[s]: iff the latest
+    # producer saved anywhere in [a, b] is at or after a (a range maximum, from a sparse table).
+    table = cached(profile, "saved_made_max", _saved_made_max)
+    if span.b < span.a:
+        return False
+    j = (span.b - span.a + 1).bit_length() - 1
+    return max(table[j][span.a], table[j][span.b - (1 << j) + 1]) >= span.a
+
+
+def _saved_made_max(profile: Profile) -> list[np.ndarray]:
+    """Sparse table of range maxima: level j, entry k is the latest producer position saved at
+    any forward position in [k, k + 2**j) (-1: none)."""
+    level = np.array([max(ps, default=-1) for ps in _saved_made(profile)], dtype=np.int64)
+    table = [level]
+    while (1 << len(table)) <= len(level):
+        prev, half = table[-1], 1 << (len(table) - 1)
+        table.append(np.maximum(prev[:-half], prev[half:]))
+    return table
 
 
 def _saved_made(profile: Profile) -> list[list[int]]:

@@ -109,6 +109,8 @@ def _descend(profile: Profile, base: tuple[Region, ...], budget_bytes: int,
     for s in spans.values():
         if s.segment is not None:
             runs[s.call.module].append(s)
+    for rs in runs.values():  # longest first, as `_split` looks for the longest that fits
+        rs.sort(key=lambda r: (-(r.b - r.a), r.a))
     chosen: list[CallSpan] = []
     for r in base:
         span = spans.get(_span_of(profile, r))
@@ -267,11 +269,11 @@ def _split(s: CallSpan, chosen: list[CallSpan], runs: dict[str, list[CallSpan]]
     rest = [c for c in chosen if c is not whole[0]]
     if not _fits(s, rest):
         return None
-    around = [r for r in runs.get(s.call.module, ()) if r.a <= s.a and s.b <= r.b
-              and r is not s and _fits(r, rest) and _fits(s, rest + [r])]
-    if not around:
+    around = next((r for r in runs.get(s.call.module, ()) if r.a <= s.a and s.b <= r.b
+                   and r is not s and _fits(r, rest) and _fits(s, rest + [r])), None)
+    if around is None:  # runs come longest first, then by start (`_descend`)
         return [whole[0]], [s]
-    return [whole[0]], [max(around, key=lambda r: (r.b - r.a, -r.a)), s]
+    return [whole[0]], [around, s]
 
 
 def _compatible(group: list[CallSpan]) -> bool:

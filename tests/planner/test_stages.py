@@ -1143,3 +1143,57 @@ def test_a_run_of_the_roots_stages_keeps_earlier_stages_outputs_it_is_passed():
     and the runs' frames were predicted to keep none of those they never read."""
     torch.manual_seed(0)
     _pairs_of_runs_exact(_HiddensEncoder().train(), "")
+
+
+class _PairLoop(nn.Module):
+    """A forward that loops in Python over small ops, one pair of input and output at a time,
+    as pykan's symbolic layer does: hundreds of stages in one traced call."""
+
+    def __init__(self, d_in: int = 12, d_out: int = 24) -> None:
+        super().__init__()
+        self.affine = nn.Parameter(torch.randn(d_out, d_in, 2))
+        self.d_in, self.d_out = d_in, d_out
+
+    def forward(self, x):
+        cols = []
+        for j in range(self.d_out):
+            acc = 0
+            for i in range(self.d_in):
+                acc = acc + torch.tanh(x[:, i:i + 1] * self.affine[j, i, 0] + self.affine[j, i, 1])
+            cols.append(acc)
+        return torch.cat(cols, 1)
+
+
+def test_a_forward_of_many_small_ops_offers_a_bounded_number_of_runs():
+    """Every run of consecutive stages of a forward of a thousand stages would be a candidate,
+    hundreds of thousands of them (pykan's symbolic layer, with more stages still, offered so
+    many that the planner never finished listing them). Runs start at no more than
+    `MAX_STAGE_STARTS` stages, spaced by the bytes they allocate; the runs kept replay as
+    predicted and train as the model does, and a plan at the smallest peak fits."""
+    from solvers.chain import MAX_STAGE_STARTS, _saved_made, useful
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 12), _PairLoop(), nn.Linear(24, 4)).train()
+    x = torch.randn(64, 16)
+    prof = planner.profile(model, x, repeats=1)
+    (call,) = [c for c in prof.calls if c.module == "1"]
+    assert len(call.stages) > 4 * MAX_STAGE_STARTS
+    runs = [s for s in candidate_calls(prof) if s.call.module == "1" and s.segment is not None]
+    starts = {s.segment[0] for s in runs}
+    assert 0 < len(starts) <= MAX_STAGE_STARTS
+    assert len(runs) <= MAX_STAGE_STARTS * (MAX_STAGE_STARTS + 1)
+    assert call.stage_nodes[0] in starts
+    # `useful` answers from a table of range maxima what its definition says
+    saved_made = _saved_made(prof)
+    for s in candidate_calls(prof):
+        assert useful(prof, s) == any(s.a <= p for k in range(s.a, s.b + 1)
+                                      for p in saved_made[k]), (s.a, s.b)
+    _, g0 = loss_and_grads(model, x)
+    by_length = sorted(runs, key=lambda s: s.b - s.a)
+    _each_run_as_predicted(model, x, prof, [by_length[0], by_length[len(runs) // 2],
+                                            by_length[-1]], g0)
+    p = planner.plan(model, None, example_inputs=x, repeats=1)
+    v = p.verify(repeats=1)
+    assert v.max_grad_rel_err == 0.0
+    assert v.measured_peak_bytes <= p.budget_bytes
+    assert v.predicted_peak_bytes == v.measured_peak_bytes
