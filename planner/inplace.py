@@ -949,8 +949,35 @@ def _let_dynamo_trace_regions() -> None:
 # -- noticing a model that changed after planning --------------------------------------------------
 # Global registration hooks see every module, parameter or buffer assigned anywhere; a weak map
 # from each planned model's modules to their plan finds the ones that matter in O(1).
-_MEMBERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref, str]] = \
-    weakref.WeakKeyDictionary()
+class _ByIdentity:
+    """A weak map keyed by object identity. `weakref.WeakKeyDictionary` compares keys with
+    ``==``, which a module may define elementwise: tensordict's `TensorDictParams` (the module
+    torchrl's losses keep their networks' parameters in) returns a TensorDict that refuses
+    ``bool()``, and removing a plan from such a model raised."""
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        k, d = id(key), self._d
+
+        def gone(r: weakref.ref, k: int = k) -> None:
+            if k in d and d[k][0] is r:
+                del d[k]
+
+        d[k] = (weakref.ref(key, gone), value)
+
+    def get(self, key: Any) -> Any:
+        e = self._d.get(id(key))
+        return e[1] if e is not None and e[0]() is key else None
+
+    def pop(self, key: Any) -> None:
+        if self.get(key) is not None:
+            del self._d[id(key)]
+
+
+_MEMBERS = _ByIdentity()
+"""Each planned model's modules: (a weak reference to its plan, the module's path)."""
 _HOOKS: list[Any] = []
 
 
@@ -967,7 +994,7 @@ def _watch(model: torch.nn.Module, plan: AppliedPlan) -> None:
 
 def _unwatch(model: torch.nn.Module) -> None:
     for m in model.modules():
-        _MEMBERS.pop(m, None)
+        _MEMBERS.pop(m)
 
 
 def _changed(owner: torch.nn.Module, name: str, what: str) -> None:

@@ -436,6 +436,45 @@ def test_a_model_changed_after_planning_warns_once():
     assert "re-plan" in msgs[0]
 
 
+class _RefusesBool:
+    def __bool__(self):
+        raise RuntimeError("no truth value")
+
+
+class _ElementwiseEq(nn.Module):
+    """A module whose ``==`` compares elementwise and refuses ``bool()``, as tensordict's
+    TensorDictParams (the module torchrl's losses keep their networks' parameters in) does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 64)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)).pow(2)
+
+    def __eq__(self, other):
+        return _RefusesBool()
+
+    __hash__ = nn.Module.__hash__
+
+
+def test_a_module_whose_equality_refuses_bool_is_planned_watched_and_removed():
+    """The planner notices a model changed after planning through a map of its modules, which
+    compared modules with ``==``: removing the plan from such a model raised, and a change to
+    it went unnoticed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ElementwiseEq(), nn.Linear(64, 16), _ElementwiseEq(),
+                          nn.Linear(64, 4)).train()
+    x = torch.randn(32, 16)
+    p = planner.plan(model, None, example_inputs=x, repeats=1)
+    assert p.verify(repeats=1).max_grad_rel_err == 0.0
+    model[0].fc = nn.Linear(16, 64)
+    msgs = _outdated(lambda: model(x).sum().backward())
+    assert len(msgs) == 1 and "module 0.fc" in msgs[0]
+    planner.remove(model)
+    assert "forward" not in model[0].__dict__
+
+
 def test_a_model_converted_to_another_dtype_after_planning_warns_once():
     model, x = _gpt()
     planner.plan(model, budget_gb=1, example_inputs=x, method="per_block", repeats=1)
