@@ -1253,6 +1253,14 @@ def _check_loss(loss: Any) -> torch.Tensor:
             f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
+    if loss.grad_fn is None and loss.requires_grad:
+        raise CkptPlannerError(
+            "the loss is a leaf tensor that requires grad (no grad_fn): the model computes its "
+            "gradients itself, in a hook on the loss that runs forward and backward again "
+            "inside backward, as GradCache does (sentence-transformers' Cached* losses); no "
+            "checkpoint placed in forward acts there. GradCache already bounds activation "
+            "memory by its mini-batch size: lower that, or plan the model under the loss it "
+            "caches (MultipleNegativesRankingLoss for CachedMultipleNegativesRankingLoss)")
     if loss.grad_fn is None:
         raise CkptPlannerError(
             "the loss does not depend on any trainable parameter (it has no grad_fn): check that "

@@ -188,6 +188,20 @@ def _loss_not_callable():
     return planner.plan(m, budget_gb=1, example_inputs=x, loss_fn="mse", repeats=1)
 
 
+def _gradcache_loss():
+    """A loss computed on detached outputs, whose hook runs the model's backward itself inside
+    backward (GradCache, as sentence-transformers' Cached* losses do)."""
+    m, x = _gpt()
+
+    def loss_fn(out):
+        logits = out.detach().requires_grad_()
+        loss = logits.float().pow(2).mean().detach().requires_grad_()
+        loss.register_hook(lambda g: out.backward(torch.ones_like(out) * g) or g)
+        return loss
+
+    return planner.plan(m, budget_gb=1, example_inputs=x, loss_fn=loss_fn, repeats=1)
+
+
 def _model_raises():
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(16, 8))
     return planner.plan(m, budget_gb=1, example_inputs=torch.randn(4, 8), repeats=1)
@@ -329,6 +343,8 @@ ROWS = [
                                              example_inputs=torch.zeros(2)),
         CkptPlannerError, r"not a torch.nn.Module"),
     Row("model in eval mode", _eval_mode, CkptPlannerError, r"call model.train\(\) first"),
+    Row("loss is a leaf whose hook runs backward (GradCache)", _gradcache_loss,
+        CkptPlannerError, r"leaf tensor that requires grad.*GradCache.*lower that, or plan"),
     Row("no parameter requires grad", _frozen, CkptPlannerError,
         r"no parameter .* requires grad.*unfreeze"),
     Row("loss_fn returns a non-scalar", _loss_not_scalar, CkptPlannerError,
