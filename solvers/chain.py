@@ -637,10 +637,11 @@ def _stage_starts(made: list[int], allocates: list[bool]) -> tuple[list[int], bo
     every = [0] + [i for i in range(1, len(made)) if allocates[i]]
     if len(every) <= MAX_STAGE_STARTS:
         return every, False
-    step = sum(made) / MAX_STAGE_STARTS
+    weight = [m + 1 for m in made]  # a byte more per stage: stages of empty storages count too
+    step = sum(weight) / MAX_STAGE_STARTS
     out, before, nxt = [0], 0, step
     for i in range(1, len(made)):
-        before += made[i - 1]
+        before += weight[i - 1]
         if allocates[i] and before >= nxt:
             out.append(i)
             nxt = (before // step + 1) * step

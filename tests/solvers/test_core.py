@@ -230,3 +230,26 @@ def test_a_gpu_profiles_attention_kernel_is_saved_under_the_fused_attention_name
     assert not any("cudnn" in k for k in keys)
     assert policy_op("aten._scaled_dot_product_flash_attention_for_cpu.default") == FUSED_ATTENTION
     assert policy_op("aten.mm.default") == "aten.mm.default"
+
+
+@pytest.mark.parametrize("made", [
+    [0] * 1000,  # every stage makes only empty storages
+    [(i * 7919) % 100_003 for i in range(5000)],
+    [10**9] + [0] * 999,  # one stage makes every byte
+    [0] * 999 + [10**9],
+], ids=["empty", "mixed", "first", "last"])
+def test_a_staged_call_of_many_stages_starts_runs_at_a_bounded_ascending_set(made):
+    """Past `MAX_STAGE_STARTS` allocating stages, runs start at the first stage and at stages
+    spaced by the bytes before them: never more than the bound, whatever the bytes (all zero
+    included), ascending, each an allocating stage."""
+    from solvers.chain import MAX_STAGE_STARTS, _stage_starts
+
+    allocates = [i % 3 != 1 for i in range(len(made))]
+    starts, coarse = _stage_starts(made, allocates)
+    assert coarse
+    assert starts[0] == 0 and starts == sorted(set(starts))
+    assert len(starts) <= MAX_STAGE_STARTS
+    assert all(allocates[i] for i in starts[1:])
+    few = [False] * len(made)
+    few[5] = few[9] = True
+    assert _stage_starts(made, few) == ([0, 5, 9], False)
