@@ -613,7 +613,7 @@ def _stage_spans(profile: Profile, c: ModuleCall) -> list[CallSpan]:
                  for a, b in zip(starts, lasts, strict=True)]
     within = [(pos(k.start), pos(k.end), k.buffers) for k in profile.calls
               if k.buffers and starts[0] <= pos(k.start) and pos(k.end) <= lasts[-1]]
-    kept, coarse = _stage_starts(made, allocates)
+    kept, coarse = stage_starts(made, allocates)
     out = []
     for i in kept:
         limit = c.stage_limits[i]
@@ -629,7 +629,7 @@ def _stage_spans(profile: Profile, c: ModuleCall) -> list[CallSpan]:
     return out
 
 
-def _stage_starts(made: list[int], allocates: list[bool]) -> tuple[list[int], bool]:
+def stage_starts(made: list[int], allocates: list[bool]) -> tuple[list[int], bool]:
     """The stages runs may start at, and whether they are fewer than every one a run could start
     at: the first and every stage that allocates, or where those are more than
     `MAX_STAGE_STARTS`, the first and the allocating stages at which the bytes allocated before

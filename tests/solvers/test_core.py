@@ -242,14 +242,14 @@ def test_a_staged_call_of_many_stages_starts_runs_at_a_bounded_ascending_set(mad
     """Past `MAX_STAGE_STARTS` allocating stages, runs start at the first stage and at stages
     spaced by the bytes before them: never more than the bound, whatever the bytes (all zero
     included), ascending, each an allocating stage."""
-    from solvers.chain import MAX_STAGE_STARTS, _stage_starts
+    from solvers.chain import MAX_STAGE_STARTS, stage_starts
 
     allocates = [i % 3 != 1 for i in range(len(made))]
-    starts, coarse = _stage_starts(made, allocates)
+    starts, coarse = stage_starts(made, allocates)
     assert coarse
     assert starts[0] == 0 and starts == sorted(set(starts))
     assert len(starts) <= MAX_STAGE_STARTS
     assert all(allocates[i] for i in starts[1:])
     few = [False] * len(made)
     few[5] = few[9] = True
-    assert _stage_starts(made, few) == ([0, 5, 9], False)
+    assert stage_starts(made, few) == ([0, 5, 9], False)
