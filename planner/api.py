@@ -34,6 +34,7 @@ import torch
 from planner import compiled, inplace
 from planner.capture.record import (
     default_loss,
+    inputs_as_given,
     put_back,
     python_state,
     seeded,
@@ -498,7 +499,7 @@ def _one_step(module: torch.nn.Module, example_inputs: Any, loss_fn,
     state = copy.deepcopy({k: v.detach() for k, v in owner.state_dict().items()
                            if isinstance(v, torch.Tensor)})
     old = {k: p.grad for k, p in params.items()}
-    with seeded(0), python_state(module):
+    with seeded(0), python_state(module), inputs_as_given(args, kwargs):
         for p in params.values():
             p.grad = None
         device = next((p.device.type for p in params.values()), "cpu")

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from planner.capture.record import op_name
+from planner.capture.record import mutable_containers, op_name, set_contents
 from planner.stages import Pattern, nest, trace
 from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.schedule import Region, Schedule, policy_op
@@ -235,14 +235,18 @@ class _ReplayContext:
                  read: list[tuple[dict[str, Any], str, weakref.ref]] = (),
                  scalars: list[tuple[torch.nn.Module, str, Any]] = (),
                  modules: list[torch.nn.Module] = (),
-                 generators: list[tuple[torch.Generator, bytes]] = ()) -> None:
+                 generators: list[tuple[torch.Generator, bytes]] = (),
+                 given: list[tuple[list | dict, list]] = ()) -> None:
         self._slots, self._rec, self._start, self._read = slots, rec, start, read
         self._scalars, self._modules, self._generators = scalars, modules, generators
+        self._given = given
         self._stacks: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
         with stack:  # copies first: the selective replay must not see the clones among its ops
+            if self._given:
+                stack.enter_context(_given_as_in_forward(self._given))
             if self._generators:
                 stack.enter_context(_generators_as_in_forward(self._generators))
             if self._read or self._scalars or self._modules:
@@ -353,6 +357,48 @@ def _put_back(c: list | dict, was: list | dict) -> None:
             c.update(was)
         else:
             c[:] = was
+
+
+def _contents(c: list | dict) -> list[tuple[Any, Any, bool]]:
+    """(key or index, value, whether the value is held weakly) of each item of `c`: a tensor by
+    a weak reference, so that what the caller drops from its dict after forward is not kept
+    alive until the region's backward (memory the prediction does not count)."""
+    items = c.items() if isinstance(c, dict) else enumerate(c)
+    return [(k, weakref.ref(v), True) if isinstance(v, torch.Tensor) else (k, v, False)
+            for k, v in items]
+
+
+@contextlib.contextmanager
+def _given_as_in_forward(given: list[tuple[list | dict, list]]) -> Iterator[None]:
+    """Run a replay with the lists and dicts the region was called with holding what they held
+    as its forward started (`_contents`), and give them back what they hold now afterwards.
+
+    A forward that writes its result into the dict it is given (sentence-transformers' modules
+    put ``token_embeddings`` and ``sentence_embedding`` into their ``features``) or appends to a
+    list it is given would otherwise replay on the dict as forward left it: BERT then received
+    the results as keyword arguments it passes down to its attention, whose nested region took
+    them as two more inputs, and torch's check of the replay failed; and the replay's results,
+    graph and all, stayed in the caller's dict. A tensor that died since forward stays as it is
+    now (nothing holds it: the replay cannot read it)."""
+    now = [(c, c.copy()) for c, _ in given]
+    for c, was in given:
+        old: dict[Any, Any] = {}
+        for k, v, weak in was:
+            if weak:
+                v = v()
+                if v is None:
+                    if isinstance(c, dict) and k in c:
+                        old[k] = c[k]
+                    elif isinstance(c, list) and k < len(c):
+                        old[k] = c[k]
+                    continue
+            old[k] = v
+        set_contents(c, old if isinstance(c, dict) else [old[k] for k in sorted(old)])
+    try:
+        yield
+    finally:
+        for c, was in now:
+            set_contents(c, was)
 
 
 def _generator_state(g: torch.Generator) -> bytes:
@@ -521,7 +567,7 @@ class _RegionRunner:
         # `_read` holds the modules' own parameter dicts; a pickle would hold copies of them
         state = dict(self.__dict__)
         state["_modules_in"], state["_read"], state["_scalar_slots"] = None, [], []
-        state["_generators"] = []
+        state["_generators"], state["_given"] = [], ()
         return state
 
     def remap(self, memo: dict[int, Any]) -> _RegionRunner:
@@ -562,6 +608,8 @@ class _RegionRunner:
             self._generators = [g for m in held for g in m.__dict__.values()
                                 if isinstance(g, torch.Generator)]
         gens = [(g, _generator_state(g)) for g in self.__dict__.get("_generators", ())]
+        given = [(c, _contents(c)) for c in self.__dict__.get("_given", ())]
+        self._given = ()
         # Weak: what a module held in forward and drops before backward (offloading hooks)
         # is not kept alive for the replay.
         read = [(d, name, weakref.ref(t)) for d, name in self._read
@@ -570,13 +618,16 @@ class _RegionRunner:
         if not self._keys:
             return contextlib.nullcontext(), _ReplayContext(
                 self._slots, contextlib.nullcontext(), start, read, scalars, self._modules_in,
-                gens)
+                gens, given)
         fwd, rec = _selective_contexts(self._keys)
         cast: set[int] = set()
         return _NotesParamCasts(fwd, cast), _ReplayContext(
-            self._slots, _replayable(rec, cast), start, read, scalars, self._modules_in, gens)
+            self._slots, _replayable(rec, cast), start, read, scalars, self._modules_in, gens,
+            given)
 
-    def run(self, fn, *args: Any) -> Any:
+    def run(self, fn, *args: Any, given: tuple[Any, ...] = ()) -> Any:
+        """`fn(*args)` under the region's checkpoint; `given` are the call's other arguments
+        (bound into `fn`), whose lists and dicts the replay starts from as forward did."""
         fn, args = _once_each(fn, args)
         if torch.compiler.is_compiling():
             if self._restores:
@@ -600,6 +651,8 @@ class _RegionRunner:
         # A replay stops early by raising from a saved-tensor hook; raised inside a
         # ScriptModule's op, the TorchScript interpreter turns it into a RuntimeError that
         # checkpoint does not catch, and backward fails: such a region replays to its end.
+        # read by `_eager_context`, which checkpoint calls as it starts
+        self._given = mutable_containers((args, given))
         with set_checkpoint_early_stop(False) if script else contextlib.nullcontext():
             return checkpoint(_stop_passes(fn), *args, use_reentrant=False,
                               preserve_rng_state=self.region.preserve_rng,
@@ -681,7 +734,7 @@ class CheckpointedForward:
         if not torch.is_grad_enabled():
             return self._orig(*args, **kwargs)
         fn, tensors = _tensors_as_inputs(self._orig, args, kwargs)
-        return self._runner.run(fn, *tensors)
+        return self._runner.run(fn, *tensors, given=tuple(kwargs.values()))
 
 
 class SegmentedForward:

@@ -32,6 +32,7 @@ from planner.capture.record import (
     default_loss,
     end_of_autocast,
     host_rng_state,
+    inputs_as_given,
     put_back,
     python_state,
     set_host_rng_state,
@@ -97,14 +98,16 @@ def fixed_bytes(
 
 def _step(module, args, kwargs, loss_fn, optimizer, marker: Callable[[], None] | None,
           amp: tuple[str, torch.dtype] | None = None):
-    end_of_autocast()
-    with torch.autocast(amp[0], dtype=amp[1]) if amp is not None else contextlib.nullcontext():
-        loss = loss_fn(module(*args, **kwargs))
-    end_of_autocast()
-    if marker is not None:
-        marker()
-    loss.backward()
-    del loss
+    with inputs_as_given(args, kwargs):
+        end_of_autocast()
+        with torch.autocast(amp[0], dtype=amp[1]) if amp is not None \
+                else contextlib.nullcontext():
+            loss = loss_fn(module(*args, **kwargs))
+        end_of_autocast()
+        if marker is not None:
+            marker()
+        loss.backward()
+        del loss
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

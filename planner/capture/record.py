@@ -25,6 +25,7 @@ This module knows nothing about solvers; `planner.assemble` turns a `Recording` 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -1509,6 +1510,53 @@ def put_back(dst: torch.Tensor, value: torch.Tensor) -> None:
     dst.copy_(value)
 
 
+def mutable_containers(tree: Any) -> list[list | dict]:
+    """The plain lists and dicts (and `collections.UserDict`s' dicts: HF's `BatchEncoding`) in
+    `tree`, nested in each other or in tuples (and in subclasses of them, which are looked into
+    but not listed: HF's `ModelOutput` refuses to be cleared), each once."""
+    found: dict[int, list | dict] = {}
+    seen: set[int] = set()
+    todo = [tree]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, collections.UserDict):
+            v = v.data
+        if not isinstance(v, (list, dict, tuple)) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if type(v) in (list, dict):
+            found[id(v)] = v
+        todo.extend(v.values() if isinstance(v, dict) else v)
+    return list(found.values())
+
+
+def set_contents(c: list | dict, contents: list | dict) -> None:
+    """Make list or dict `c` hold `contents` (the same objects), if it holds anything else."""
+    if isinstance(c, dict):
+        if c.keys() != contents.keys() or any(c[k] is not v for k, v in contents.items()):
+            c.clear()
+            c.update(contents)
+    elif len(c) != len(contents) or any(a is not b for a, b in zip(c, contents)):
+        c[:] = contents
+
+
+@contextlib.contextmanager
+def inputs_as_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Give the lists and dicts of a step's inputs back the contents they had before it: every
+    step the planner runs (warm-up, recording, measuring) starts from the inputs as the user
+    gave them, as each step of training starts from a fresh batch. Sentence-transformers'
+    modules write their outputs into the ``features`` dict they are called with, and the model
+    passes that dict's keys on as keyword arguments: a second step on the same dict would call
+    BERT with the first step's embeddings, held from one step to the next; a step that pops its
+    labels from the batch would fail the second time."""
+    was = [(c, c.copy()) for c in mutable_containers((args, kwargs))]
+    try:
+        yield
+    finally:
+        for c, old in was:
+            set_contents(c, old)
+
+
 @contextlib.contextmanager
 def python_state(model: torch.nn.Module) -> Iterator[None]:
     """Put back, as they were, the attributes of the model's modules that steps change and
@@ -1557,7 +1605,7 @@ def restoring(spec: StepSpec) -> Iterator[None]:
     grads = {k: p.grad for k, p in spec.params.items()}
     for p in spec.params.values():
         p.grad = None
-    with seeded(spec.seed), python_state(spec.model):
+    with seeded(spec.seed), python_state(spec.model), inputs_as_given(spec.args, spec.kwargs):
         try:
             yield
         finally:

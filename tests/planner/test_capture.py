@@ -2020,3 +2020,158 @@ def test_calls_differentiated_inside_forward_are_not_regions():
             model, (x,), loss_fn, repeats=1).peak_bytes
     finally:
         remove(model)
+
+
+class _Attention(nn.Module):
+    """Takes keyword arguments it does not use, as HF attention modules do (``**kwargs``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(32, 32)
+
+    def forward(self, x, **kwargs):
+        return torch.softmax(self.q(x), -1) * x
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attention()
+        self.mlp = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 32))
+
+    def forward(self, x, **kwargs):
+        x = x + self.attn(x, **kwargs)
+        return x + self.mlp(x)
+
+
+class _Encoder(nn.Module):
+    """Passes its keyword arguments on to every layer (BERT's ``**kwargs``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+
+    def forward(self, ids, **kwargs):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x, **kwargs)
+        return x
+
+
+class _WritesFeatures(nn.Module):
+    """sentence-transformers' `Transformer` module: calls the encoder with every key of the
+    ``features`` dict it is given and writes its output into that dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = _Encoder()
+
+    def forward(self, features):
+        features["token_embeddings"] = self.encoder(**features)
+        return features
+
+
+class _BiEncoder(nn.Module):
+    """Both columns of a pair through the same module (MultipleNegativesRankingLoss)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = _WritesFeatures()
+
+    def forward(self, anchors, positives):
+        a = self.body(anchors)["token_embeddings"].mean(1)
+        p = self.body(positives)["token_embeddings"].mean(1)
+        return a @ p.T
+
+
+def _pairs(n: int, length: int) -> tuple[dict, dict]:
+    g = torch.Generator().manual_seed(n * length)
+    return ({"ids": torch.randint(0, 100, (n, length), generator=g)},
+            {"ids": torch.randint(0, 100, (n, length), generator=g)})
+
+
+def _ranking_loss(scores):
+    return F.cross_entropy(scores, torch.arange(len(scores)))
+
+
+def test_steps_the_planner_runs_leave_the_dicts_they_are_given_as_they_were():
+    """Found on sentence-transformers: its modules write their outputs into the ``features``
+    dict they are called with, and the model passes that dict's keys on to BERT. The planner's
+    warm-up step left its outputs in the user's example dicts, the recorded step then carried
+    them (counted as held tensors), and `measure` counted them twice: once among the inputs,
+    once as held. Every step the planner runs now starts from the inputs as given."""
+    model, inputs = _BiEncoder().train(), _pairs(64, 48)
+    p = plan(model, None, example_inputs=inputs, loss_fn=_ranking_loss, repeats=1)
+    remove(model)
+    assert [list(d) for d in inputs] == [["ids"], ["ids"]]
+    assert p.profile.held_bytes == 0
+    m = measure(model, inputs, _ranking_loss, repeats=1)
+    assert [list(d) for d in inputs] == [["ids"], ["ids"]]
+    assert simulate(p.profile).peak_bytes == m.peak_bytes
+
+
+def test_a_replay_starts_from_the_dicts_its_region_was_given():
+    """The same model, its shared module checkpointed on both calls with an attention region
+    nested inside: the outer region's replay ran on the ``features`` dict as forward left it,
+    so the encoder passed the forward's ``token_embeddings`` on as a keyword argument, the
+    nested region took it as one more input, and torch's check of the replay raised
+    CheckpointError. The replay now starts from the dict's contents as forward found them and
+    gives the dict back what forward left in it."""
+    model, inputs = _BiEncoder().train(), _pairs(64, 48)
+    prof = profile(model, inputs, loss_fn=_ranking_loss, repeats=1)
+    want = {"body", "body.encoder.layers.1.attn"}
+    spans = [s for group in shared_calls(prof) for s in group if s.call.module in want]
+    assert len(spans) == 4
+    regions = bind(prof, tuple(region(prof, s.a, s.b)
+                               for s in sorted(spans, key=lambda s: (s.a, -s.b))))
+    def step(batch):
+        for q in model.parameters():
+            q.grad = None
+        loss = _ranking_loss(model(*batch))
+        after_forward = [d["token_embeddings"] for d in batch]
+        loss.backward()
+        # forward's embeddings stay in the dicts, not the replay's (which hold its graph)
+        assert all(d["token_embeddings"] is t for d, t in zip(batch, after_forward))
+        return loss.detach(), {k: q.grad.clone() for k, q in model.named_parameters()}
+
+    want_loss, want_grads = step(_pairs(32, 20))  # another shape, on fresh dicts, as training
+    apply_schedule(model, Schedule(regions=regions))
+    try:
+        loss, grads = step(_pairs(32, 20))
+        torch.testing.assert_close(loss, want_loss)
+        for name, g in want_grads.items():
+            torch.testing.assert_close(grads[name], g)
+        m = measure(model, inputs, _ranking_loss, repeats=1)
+        assert simulate(prof, regions).peak_bytes == m.peak_bytes
+    finally:
+        remove(model)
+
+
+def test_a_model_that_pops_its_labels_from_the_batch_is_planned():
+    """A forward that takes its labels out of the batch dict it is given (``batch.pop("labels")``,
+    as many training loops' loss code does): the planner's warm-up step took them, and the
+    recorded step raised KeyError, reported as the model's own error. Each step the planner
+    runs now gets the batch as the user gave it, and leaves it so."""
+
+    class PopsLabels(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 10))
+
+        def forward(self, batch):
+            labels = batch.pop("labels")
+            return F.cross_entropy(self.body(batch["x"]), labels)
+
+    torch.manual_seed(0)
+    model = PopsLabels()
+    batch = {"x": torch.randn(64, 32), "labels": torch.randint(0, 10, (64,))}
+    p = plan(model, None, example_inputs=(batch,), loss_fn=lambda loss: loss, repeats=1)
+    try:
+        assert set(batch) == {"x", "labels"}
+        v = p.verify(repeats=1)
+        assert v.max_grad_rel_err == 0 and v.measured_peak_bytes == v.predicted_peak_bytes
+        assert set(batch) == {"x", "labels"}
+    finally:
+        remove(model)

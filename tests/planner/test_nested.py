@@ -384,6 +384,10 @@ def test_keyword_tensors_of_a_nested_region_are_handed_over_like_positional_ones
     assert peaks[True] == pytest.approx(peaks[False], rel=1e-3)
 
 
+_CALLS: list[tuple[int, int]] = []
+"""(id, length) of the list each `_Collects` call was given, as the call found it."""
+
+
 class _Collects(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -391,6 +395,7 @@ class _Collects(torch.nn.Module):
 
     def forward(self, x, *, seen: list, shape: torch.Size, scale=(None, 2.0)):
         assert isinstance(shape, torch.Size) and scale[0] is None
+        _CALLS.append((id(seen), len(seen)))
         seen.append(x.shape[0])  # a list the caller reads back: the same object
         return self.lin(x).reshape(shape) * scale[1]
 
@@ -398,7 +403,8 @@ class _Collects(torch.nn.Module):
 def test_keyword_values_other_than_tensors_reach_the_module_as_given():
     """Only keyword tensors (and the tensors of a plain tuple) become checkpoint inputs: a list
     the call appends to, a torch.Size and other values reach the module as the very objects
-    given, in forward and in the replay."""
+    given, in forward and in the replay; the replay finds the list as forward did, and leaves
+    it as forward left it (what it appends is the replay's, not the caller's)."""
 
     class Outer(torch.nn.Module):
         def __init__(self):
@@ -418,10 +424,12 @@ def test_keyword_values_other_than_tensors_reach_the_module_as_given():
     apply_schedule(model, Schedule(regions=regions))
     try:
         seen.clear()
+        _CALLS.clear()
         model(x, seen).sum().backward()
     finally:
         remove(model)
-    assert seen == [8, 8]  # forward, then the replay
+    assert _CALLS == [(id(seen), 0), (id(seen), 0)]  # forward, then the replay
+    assert seen == [8]
 
 
 class _Wide(torch.nn.Module):
