@@ -162,6 +162,14 @@ class Plan:
     fsdp_units: tuple[str, ...] = ()
     _baselines: dict[str, Schedule] = field(default_factory=dict, repr=False)
 
+    def __repr__(self) -> str:
+        # not the dataclass's: that one prints the whole profile, every op of the step
+        s = self.schedule
+        return (f"Plan({type(self.module).__name__}, method {s.method!r}, {len(s.regions)} "
+                f"regions, budget {format_bytes(self.budget_bytes)}, predicted peak "
+                f"{format_bytes(s.predicted_peak_bytes)}, predicted extra time "
+                f"{100 * self.predicted_overhead:.1f}%; plan.report() compares it)")
+
     @property
     def predicted_peak_bytes(self) -> int:
         return self.schedule.predicted_peak_bytes
@@ -239,6 +247,14 @@ class Plan:
         regions = ", ".join(name if n == 1 else f"{name} (each of its {n} calls)"
                             for name, n in labels.items()) or "none"
         lines.append(f"checkpointed modules: {regions}")
+        if p.meta.outside_modules:
+            more = f" (and {len(p.meta.outside_modules) - 3} more)" \
+                if len(p.meta.outside_modules) > 3 else ""
+            lines.append("modules the step runs that are not submodules of the model (their ops "
+                         "count as their caller's; no region can be placed on them): "
+                         + ", ".join(p.meta.outside_modules[:3]) + more + "; to let the plan "
+                         "checkpoint them, make them submodules (attributes of the model or of "
+                         "one of its modules)")
         blocked = [c for c in p.calls if c.blocker]
         if blocked:
             shown = "; ".join(f"{c.module or '(root)'}: {c.blocker}" for c in blocked[:5])
@@ -772,6 +788,10 @@ def _infeasible(profile: Profile, budget: int, margin: int = 0) -> InfeasibleBud
             f"no region can go ({why})" for m, b, why in unsplit) + "."
         advice.insert(0, "move that code into submodules (an nn.Module per block), which the "
                          "planner can then recompute")
+    if unsplit and profile.meta.outside_modules:
+        advice.insert(0, "make the modules the step runs from outside the model ("
+                      + ", ".join(profile.meta.outside_modules[:3]) + ") submodules of it, "
+                      "so that regions can be placed on them")
     return InfeasibleBudgetError(
         f"{what} is below the smallest achievable peak for this model and "
         f"batch ({format_bytes(peak)}, with regions nested inside regions where that helps). At "

@@ -376,6 +376,7 @@ def to_profile(
         data_dependent_ops=sum(1 for r in rec.ops if r.phase == "forward"
                                and r.dynamic.startswith("output shape")),
         random_skips=list(rec.random_skips),
+        outside_modules=list(rec.outside_modules),
     )
     return Profile(
         nodes=tuple(nodes),

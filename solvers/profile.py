@@ -231,6 +231,10 @@ class ProfileMeta:
     random_skips: list[str] = field(default_factory=list)
     """Modules the model skips at random in training (LayerDrop): the profiled step is a random
     draw that runs every one of them, the most memory any draw needs."""
+    outside_modules: list[str] = field(default_factory=list)
+    """Modules with parameters the step's forward ran that are not submodules of the model (as
+    ``Class (N calls, M ops)``): their ops count as their caller's, and no region can be placed
+    on them (torchrl's losses keep their networks outside their module tree)."""
     capture: str = "graph"
     """How the step was captured: ``run`` (`planner.profile` ran one real step; regions are module
     calls, applied to the model in place) or ``graph`` (a traced graph, version 1 profiles, or a

@@ -358,6 +358,9 @@ class Recording:
     """Modules whose forward also ran during backward: recomputed there by a custom autograd
     Function (Reformer's reversible layers rebuild their inputs from their outputs) or by
     torch's checkpoint in the model's own code."""
+    outside_modules: list[str] = field(default_factory=list)
+    """Modules with parameters that forward ran but that are not the model's submodules, as
+    ``Class (N calls, M ops)``, most ops first (`_Recorder.outside`)."""
     differentiated_in_forward: list[int] = field(default_factory=list)
     """Forward ops whose autograd node ran backward inside the step's forward or loss
     (``torch.autograd.grad`` there: forces as the energy's gradient by positions, a gradient
@@ -690,6 +693,9 @@ class _Recorder(TorchDispatchMode):
         self.fixed_kind: dict[int, str] = {}  # storage id -> "param"/"buffer"/"input"
         self.buffer_sids: set[int] = set()
         self.entered: set[str] = set()
+        self.outside: dict[str, list[int]] = {}
+        """Class name -> [calls, forward ops] of the modules forward ran that are not the
+        model's submodules (outermost calls only): no region can be placed on them."""
         """Every module whose forward was called."""
         self.differentiated: set[int] = set()
         """Forward ops whose node ran backward during the forward or loss phase."""
@@ -1161,6 +1167,31 @@ class _Recorder(TorchDispatchMode):
         return {sid for t in reachable_tensors(obj)
                 for sid in (self.sid_of.get(id(storage_of(t))),) if sid is not None}
 
+    def _outside_hooks(self, inside: set[int]) -> list[Any]:
+        """Global hooks noting the outermost calls, in forward, of modules with parameters that
+        are not the model's submodules (`outside`): torchrl's losses keep their networks out
+        of their module tree and swap the parameters in for each call; a network kept in a
+        plain list is outside too. The report says why such a forward has no regions. (A
+        frozen teacher run without gradients saves nothing, and is not noted.)"""
+        open_: list[tuple[int, int]] = []  # (id of the module, ops before its call)
+
+        def pre(mod, args):
+            if open_ or id(mod) in inside or self.phase != "forward" or \
+                    not torch.is_grad_enabled() or next(mod.parameters(), None) is None:
+                return
+            open_.append((id(mod), len(self.ops)))
+
+        def post(mod, args, out):
+            if open_ and open_[-1][0] == id(mod):
+                _, start = open_.pop()
+                seen = self.outside.setdefault(type(mod).__name__, [0, 0])
+                seen[0] += 1
+                seen[1] += len(self.ops) - start
+
+        g = torch.nn.modules.module
+        return [g.register_module_forward_pre_hook(pre),
+                g.register_module_forward_hook(post, always_call=True)]
+
     @contextlib.contextmanager
     def module_hooks(self, model: torch.nn.Module) -> Iterator[None]:
         """Per-module hooks marking each call's `forward` span: the pre-hook runs after the
@@ -1229,6 +1260,8 @@ class _Recorder(TorchDispatchMode):
                 continue
             handles.append(m.register_forward_pre_hook(pre(name), with_kwargs=True))
             handles.append(m.register_forward_hook(post(name), prepend=True, always_call=True))
+        if self.structure:
+            handles += self._outside_hooks({id(m) for m in self.modules_by_name.values()})
         try:
             with _seeding_counted(seedings):
                 yield
@@ -2170,6 +2203,8 @@ def _assemble(spec, rec: _Recorder, out_sids, loss_sid, grad_sids, input_shapes)
         attribute_stores=[(i + n_ph, a, sid) for i, a, sid in rec.attribute_stores],
         attribute_rereads=[(i + n_ph, a) for i, a in rec.attribute_rereads],
         called_in_backward=sorted(rec.called_in_backward),
+        outside_modules=[f"{k} ({c} call{'s' if c != 1 else ''}, {n} ops)"
+                         for k, (c, n) in sorted(rec.outside.items(), key=lambda kv: -kv[1][1])],
         differentiated_in_forward=sorted(shift(i) for i in rec.differentiated),
         sequential={
             n: list(m._modules)

@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import functools
 import gc
+import json
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from benchmarks.training_code_probe import SpectralDisc
-from planner import ModelRunError, plan, profile, remove
+from planner import InfeasibleBudgetError, ModelRunError, plan, profile, remove
 from planner.capture.record import split_inputs
 from planner.devices import cpu_spec
 from planner.inplace import apply_schedule
@@ -2175,3 +2176,41 @@ def test_a_model_that_pops_its_labels_from_the_batch_is_planned():
         assert set(batch) == {"x", "labels"}
     finally:
         remove(model)
+
+
+class _NetworkOutsideTheTree(nn.Module):
+    """torchrl's loss modules: the network the loss runs is not a submodule (kept in the
+    instance's ``__dict__``), so no region can be placed on it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.__dict__["net"] = nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512),
+                                             nn.ReLU())
+        self.head = nn.Linear(512, 1)
+
+    def forward(self, x):
+        return self.head(self.net(x)).square().mean()
+
+
+def test_the_report_names_the_modules_the_step_runs_from_outside_the_model():
+    """Found on torchrl's ClipPPOLoss: its actor and critic are not submodules of the loss
+    module, the plan had no regions, and nothing said why. The recording notes the modules
+    with parameters forward runs from outside the model's tree; the report names them, and so
+    does the error for a budget below what the rest can reach. A plan's repr is one line (it
+    printed the whole profile, every op of the step)."""
+    model, x = _NetworkOutsideTheTree().train(), torch.randn(256, 32)
+    p = plan(model, None, example_inputs=x, loss_fn=lambda loss: loss, repeats=1)
+    try:
+        (outside,) = p.profile.meta.outside_modules
+        assert outside.startswith("Sequential (1 call, ") and not outside.endswith(" 0 ops)")
+        assert "not submodules of the model" in p.report() and outside in p.report()
+        assert "\n" not in repr(p) and len(repr(p)) < 300 and "regions" in repr(p)
+        # the profile keeps them through a save and a load
+        assert Profile.from_dict(json.loads(json.dumps(p.profile.to_dict()))).meta.outside_modules == [outside]
+    finally:
+        remove(model)
+    with pytest.raises(InfeasibleBudgetError, match="Sequential"):
+        plan(model, budget_bytes=p.profile.fixed_bytes, example_inputs=x,
+             loss_fn=lambda loss: loss, repeats=1)
+    remove(model)
