@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -45,7 +44,7 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from planner.capture.record import mutable_containers, op_name, set_contents
+from planner.capture.record import input_leaves, mutable_containers, op_name, set_contents
 from planner.stages import Pattern, nest, trace
 from solvers.errors import CkptPlannerError, ScheduleError
 from solvers.schedule import Region, Schedule, policy_op
@@ -1143,9 +1142,7 @@ def _warn_if_changed(model: torch.nn.Module, args: Any, kwargs: Any) -> None:
     if plan.schedule.made_for.get("input_shapes"):
         from planner.identity import larger_inputs
 
-        shapes = {pytree.keystr(path): list(leaf.shape)
-                  for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
-                  if isinstance(leaf, torch.Tensor)}
+        shapes = {path: list(leaf.shape) for path, leaf in input_leaves((args, kwargs))}
         larger = larger_inputs(plan.schedule.made_for, shapes)
         if larger:
             plan.warned = True

@@ -32,6 +32,7 @@ from planner.capture.record import (
     default_loss,
     end_of_autocast,
     host_rng_state,
+    input_leaves,
     inputs_as_given,
     put_back,
     python_state,
@@ -89,7 +90,7 @@ def fixed_bytes(
     """Bytes held before a step starts: parameters (a sharded parameter's local shard),
     buffers, input tensors, optimizer state, and DDP's gradient buckets."""
     tensors = [*module.parameters(), *module.buffers()]
-    tensors += [x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]
+    tensors += [x for _, x in input_leaves(example_inputs)]
     if optimizer is not None:
         for st in optimizer.state.values():
             tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
@@ -98,16 +99,14 @@ def fixed_bytes(
 
 def _step(module, args, kwargs, loss_fn, optimizer, marker: Callable[[], None] | None,
           amp: tuple[str, torch.dtype] | None = None):
-    with inputs_as_given(args, kwargs):
-        end_of_autocast()
-        with torch.autocast(amp[0], dtype=amp[1]) if amp is not None \
-                else contextlib.nullcontext():
-            loss = loss_fn(module(*args, **kwargs))
-        end_of_autocast()
-        if marker is not None:
-            marker()
-        loss.backward()
-        del loss
+    end_of_autocast()
+    with torch.autocast(amp[0], dtype=amp[1]) if amp is not None else contextlib.nullcontext():
+        loss = loss_fn(module(*args, **kwargs))
+    end_of_autocast()
+    if marker is not None:
+        marker()
+    loss.backward()
+    del loss
     if optimizer is not None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -161,8 +160,7 @@ def measure(
     args, kwargs = split_inputs(example_inputs)
     # An input that requires grad (one the model marks, to differentiate by it) gets a gradient
     # from every step: each step starts without it, as a fresh batch would.
-    leaves = [x for x in pytree.tree_leaves((args, kwargs))
-              if isinstance(x, torch.Tensor) and x.is_leaf]
+    leaves = [x for _, x in input_leaves((args, kwargs)) if x.is_leaf]
     input_grads = [x.grad for x in leaves]
     model_reset = _hold_grads if grads_held else _zero_grads
 
@@ -210,7 +208,8 @@ def measure(
         try:
             for _ in range(warmup):
                 reset(module)
-                _step(module, args, kwargs, loss_fn, optimizer, None, amp)
+                with inputs_as_given(args, kwargs):
+                    _step(module, args, kwargs, loss_fn, optimizer, None, amp)
                 same_draw()
                 same_buffers()
             reset(module)
@@ -236,13 +235,14 @@ def measure(
             for _ in range(repeats):
                 same_draw()
                 reset(module)
-                if cuda:
-                    torch.cuda.synchronize(dev)
-                t0 = time.perf_counter()
-                _step(module, args, kwargs, loss_fn, optimizer, None, amp)
-                if cuda:
-                    torch.cuda.synchronize(dev)
-                times.append((time.perf_counter() - t0) * 1e3)
+                with inputs_as_given(args, kwargs):  # its copies made outside the timer
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    t0 = time.perf_counter()
+                    _step(module, args, kwargs, loss_fn, optimizer, None, amp)
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                    times.append((time.perf_counter() - t0) * 1e3)
         finally:
             same_draw()
             if saved_state is not None:
@@ -292,7 +292,8 @@ def _measure_cpu(module, args, kwargs, loss_fn, optimizer, amp,
     for _ in range(DISTRIBUTED_STEPS if dist else 1):
         same_draw()
         reset(module)  # with an optimizer, its zero_grad left them None after the step before
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with inputs_as_given(args, kwargs), \
+                profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             _step(module, args, kwargs, loss_fn, optimizer, marker, amp)
         peak, retained = _peak_and_retained(prof, "ckpt_planner::forward_done")
         peaks.append(peak)
@@ -345,6 +346,11 @@ def _peak_and_retained(prof: Any, mark: str) -> tuple[int, int]:
 
 
 def _measure_cuda(module, args, kwargs, loss_fn, optimizer, amp) -> tuple[int, int]:
+    with inputs_as_given(args, kwargs):  # its copies made before the count starts
+        return _measure_cuda_step(module, args, kwargs, loss_fn, optimizer, amp)
+
+
+def _measure_cuda_step(module, args, kwargs, loss_fn, optimizer, amp) -> tuple[int, int]:
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)

@@ -34,6 +34,7 @@ from planner.capture.record import (
     StepSpec,
     check_inputs,
     default_loss,
+    input_leaves,
     record_step,
     seeded,
     split_inputs,
@@ -80,7 +81,7 @@ def check_autocast(autocast: Any) -> None:
 
 def _device_of(model: torch.nn.Module, example_inputs: Any) -> torch.device:
     for t in [*model.parameters(), *model.buffers(),
-              *[x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]]:
+              *[x for _, x in input_leaves(example_inputs)]]:
         if t.device.type != "cpu":
             return t.device
     return torch.device("cpu")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import collections.abc
 import contextlib
 import dataclasses
 import functools
@@ -35,6 +36,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -127,7 +129,7 @@ def check_inputs(model: torch.nn.Module, example_inputs: Any) -> None:
     if example_inputs is None:
         raise CkptPlannerError(
             f"example_inputs is None; pass the largest batch you will train with: {_INPUT_FORMS}")
-    if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(example_inputs)):
+    if not input_leaves(example_inputs):
         raise CkptPlannerError(
             f"example_inputs ({type(example_inputs).__name__}) holds no tensor; pass "
             f"{_INPUT_FORMS}")
@@ -404,6 +406,49 @@ class _Packed:
 
 def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+_OPAQUE = (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.dtype,
+           torch.device, torch.nn.Module, type)
+"""Values an example input's walk does not look into (`input_leaves`)."""
+
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+"""Callables an input may be (a callback): not looked into. Other callable objects are (PyG's
+`Data` is callable)."""
+
+
+def _held_by(v: Any) -> list[tuple[str, Any]]:
+    """(key as written after a path, value) of what `v`, an object pytree takes as one leaf,
+    holds: a dataclass's fields, a mapping's items, a plain object's attributes (PyG's `Data`
+    keeps its tensors in a mapping among its attributes). Functions and modules hold none."""
+    if isinstance(v, _OPAQUE + _FUNCTIONS):
+        return []
+    if dataclasses.is_dataclass(v):
+        return [(f".{f.name}", getattr(v, f.name, None)) for f in dataclasses.fields(v)]
+    if isinstance(v, collections.abc.Mapping):
+        return [(f"[{k!r}]", x) for k, x in v.items()]
+    if isinstance(v, list | tuple):
+        return [(f"[{i}]", x) for i, x in enumerate(v)]
+    d = getattr(v, "__dict__", None)
+    return [(f".{k}", x) for k, x in d.items()] if isinstance(d, dict) else []
+
+
+def input_leaves(tree: Any, depth: int = 6) -> list[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every tensor of example inputs `tree`: pytree's leaves, and the
+    tensors objects pytree takes as leaves hold (`_held_by`, up to `depth` deep): a batch
+    dataclass, a `torch_geometric.data.Data`. Paths of pytree's leaves are `pytree.keystr`'s."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    todo = [(pytree.keystr(p), leaf, 0) for p, leaf in pytree.tree_flatten_with_path(tree)[0]]
+    todo.reverse()
+    while todo:
+        path, v, d = todo.pop()
+        if isinstance(v, torch.Tensor):
+            out.append((path, v))
+        elif d < depth and id(v) not in seen:
+            seen.add(id(v))
+            todo.extend(reversed([(path + k, x, d + 1) for k, x in _held_by(v)]))
+    return out
 
 
 def reachable_tensors(obj: Any, depth: int = 4) -> list[torch.Tensor]:
@@ -1543,23 +1588,30 @@ def put_back(dst: torch.Tensor, value: torch.Tensor) -> None:
     dst.copy_(value)
 
 
-def mutable_containers(tree: Any) -> list[list | dict]:
-    """The plain lists and dicts (and `collections.UserDict`s' dicts: HF's `BatchEncoding`) in
-    `tree`, nested in each other or in tuples (and in subclasses of them, which are looked into
-    but not listed: HF's `ModelOutput` refuses to be cleared), each once."""
+def mutable_containers(tree: Any, depth: int = 6) -> list[list | dict]:
+    """The plain lists and dicts in `tree`, nested in each other, in tuples and in mappings
+    (HF's `BatchEncoding`), and the attribute dicts of the objects it holds (a batch
+    dataclass's fields, PyG's `Data`'s storage), each once. Subclasses of list and dict are
+    looked into but not listed: HF's `ModelOutput` refuses to be cleared."""
     found: dict[int, list | dict] = {}
     seen: set[int] = set()
-    todo = [tree]
+    todo = [(tree, 0)]
     while todo:
-        v = todo.pop()
-        if isinstance(v, collections.UserDict):
-            v = v.data
-        if not isinstance(v, (list, dict, tuple)) or id(v) in seen:
+        v, d = todo.pop()
+        if isinstance(v, torch.Tensor) or d > depth or id(v) in seen:
             continue
         seen.add(id(v))
         if type(v) in (list, dict):
             found[id(v)] = v
-        todo.extend(v.values() if isinstance(v, dict) else v)
+            todo.extend((x, d + 1) for x in (v.values() if type(v) is dict else v))
+            continue
+        held = _held_by(v)
+        attrs = getattr(v, "__dict__", None)
+        if held and isinstance(attrs, dict) and not isinstance(v, list | tuple | dict):
+            found[id(attrs)] = attrs  # the object's attributes, and through them its mapping's
+            seen.add(id(attrs))
+            todo.extend((x, d + 1) for x in attrs.values())
+        todo.extend((x, d + 1) for _, x in held)
     return list(found.values())
 
 
@@ -1575,19 +1627,37 @@ def set_contents(c: list | dict, contents: list | dict) -> None:
 
 @contextlib.contextmanager
 def inputs_as_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
-    """Give the lists and dicts of a step's inputs back the contents they had before it: every
-    step the planner runs (warm-up, recording, measuring) starts from the inputs as the user
-    gave them, as each step of training starts from a fresh batch. Sentence-transformers'
-    modules write their outputs into the ``features`` dict they are called with, and the model
-    passes that dict's keys on as keyword arguments: a second step on the same dict would call
-    BERT with the first step's embeddings, held from one step to the next; a step that pops its
-    labels from the batch would fail the second time."""
+    """Give a step's inputs back what they held before it: every step the planner runs
+    (warm-up, recording, measuring) starts from the inputs as the user gave them, as each step
+    of training starts from a fresh batch.
+
+    - The contents of their lists and dicts (and their objects' attributes): sentence-
+      transformers' modules write their outputs into the ``features`` dict they are called
+      with, and the model passes that dict's keys on as keyword arguments: a second step on
+      the same dict would call BERT with the first step's embeddings, held from one step to the
+      next; a step that pops its labels from the batch would fail the second time.
+    - The values of their tensors, where the step wrote one in place (a forward that
+      normalizes its batch with ``x.mul_(...)``): each step would see another batch, and
+      `verify` would compare an unplanned step with a planned one on other inputs. Each tensor
+      is copied as the step starts (outside any measured window: callers enter this before
+      they start a timer or a memory count) and written back only if its version moved."""
     was = [(c, c.copy()) for c in mutable_containers((args, kwargs))]
+    kept = []
+    for _, t in input_leaves((args, kwargs)):
+        if t.requires_grad or t.layout != torch.strided or type(t) is not torch.Tensor \
+                or t.device.type == "meta":
+            continue  # an in-place write to a leaf that requires grad raises; fakes, subclasses
+        with torch.no_grad():
+            kept.append((t, t._version, t.clone()))
     try:
         yield
     finally:
         for c, old in was:
             set_contents(c, old)
+        with torch.no_grad():
+            for t, version, value in kept:
+                if t._version != version:
+                    t.copy_(value)
 
 
 @contextlib.contextmanager
@@ -1728,11 +1798,9 @@ def record_step(
     for name, b in spec.buffers.items():
         rec.register_fixed("buffer", name, b)
     input_shapes: dict[str, list[int]] = {}
-    for path, leaf in pytree.tree_flatten_with_path((spec.args, spec.kwargs))[0]:
-        if isinstance(leaf, torch.Tensor):
-            key = pytree.keystr(path)
-            input_shapes[key] = list(leaf.shape)
-            rec.register_fixed("input", f"input{key}", leaf)
+    for key, leaf in input_leaves((spec.args, spec.kwargs)):
+        input_shapes[key] = list(leaf.shape)
+        rec.register_fixed("input", f"input{key}", leaf)
     warm_up_error = None if fake else _warm_up(spec)
     if not fake:
         # a buffer the warm-up's forward registered (built on first call: litgpt's LoRA index)

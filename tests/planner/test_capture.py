@@ -2214,3 +2214,83 @@ def test_the_report_names_the_modules_the_step_runs_from_outside_the_model():
         plan(model, budget_bytes=p.profile.fixed_bytes, example_inputs=x,
              loss_fn=lambda loss: loss, repeats=1)
     remove(model)
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(),
+                                                    nn.Linear(256, 64)) for _ in range(4)])
+        self.head = nn.Linear(64, 10)
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _GraphLike:
+    """PyG's `Data`: tensors in a mapping among its attributes, and callable."""
+
+    def __init__(self, **tensors):
+        self._store = dict(tensors)
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["_store"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __call__(self, *keys):
+        return [self._store[k] for k in keys]
+
+
+class _TakesABatchObject(_Blocks):
+    def forward(self, batch):
+        return F.cross_entropy(self.head(self.blocks(batch.x)), batch.y)
+
+
+class _ScalesItsInputInPlace(_Blocks):
+    def forward(self, x, y):
+        x.mul_(2.0)  # normalizes the batch it is given, in place
+        return F.cross_entropy(self.head(self.blocks(x)), y)
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "object"])
+def test_a_batch_object_is_planned_with_its_tensors_as_inputs(kind):
+    """A batch passed as one object (a dataclass, PyG's `Data`) was refused: "example_inputs
+    holds no tensor", pytree seeing one leaf. The tensors its fields and attributes hold are
+    the step's inputs now: counted as inputs, their shapes in the plan's `made_for`."""
+    x, y = torch.randn(512, 64), torch.randint(0, 10, (512,))
+    batch = _Batch(x, y) if kind == "dataclass" else _GraphLike(x=x, y=y)
+    model = _TakesABatchObject().train()
+    p = plan(model, None, example_inputs=(batch,), loss_fn=lambda loss: loss, repeats=1)
+    try:
+        assert p.schedule.regions
+        assert p.profile.input_bytes == x.nbytes + y.nbytes and p.profile.held_bytes == 0
+        assert sorted(p.profile.meta.input_shapes.values()) == [[512], [512, 64]]
+        v = p.verify(repeats=1)
+        assert v.max_grad_rel_err == 0 and v.measured_peak_bytes == v.predicted_peak_bytes
+    finally:
+        remove(model)
+
+
+def test_a_forward_that_writes_its_input_in_place_is_planned_on_the_batch_as_given():
+    """A forward that scales its input tensor in place: each step the planner ran saw the
+    batch the step before left, and `verify` compared the unplanned model's step with the
+    planned one's on other inputs, then blamed the model's randomness (NotReproducibleError).
+    Each step the planner runs now writes back the input values it changed."""
+    x, y = torch.randn(512, 64), torch.randint(0, 10, (512,))
+    given = x.clone()
+    model = _ScalesItsInputInPlace().train()
+    p = plan(model, None, example_inputs=(x, y), loss_fn=lambda loss: loss, repeats=1)
+    try:
+        assert torch.equal(x, given)
+        v = p.verify(repeats=1)
+        assert v.loss_original == v.loss_planned and v.max_grad_rel_err == 0
+        assert v.measured_peak_bytes == v.predicted_peak_bytes
+        assert torch.equal(x, given)
+    finally:
+        remove(model)
