@@ -167,8 +167,10 @@ def check_inputs(model: torch.nn.Module, example_inputs: Any) -> None:
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Normalise example inputs: a tensor, a tuple/list of positional args, or a dict of kwargs."""
-    if isinstance(example_inputs, dict):
+    """Normalise example inputs: a tensor, a tuple/list of positional args, or a dict of kwargs
+    (or what a Hugging Face tokenizer returns, a `BatchEncoding`: a `UserDict`, passed as
+    ``model(**batch)``, as training code does)."""
+    if isinstance(example_inputs, dict | collections.UserDict):
         return (), dict(example_inputs)
     if isinstance(example_inputs, tuple | list):
         return tuple(example_inputs), {}

@@ -2294,3 +2294,21 @@ def test_a_forward_that_writes_its_input_in_place_is_planned_on_the_batch_as_giv
         assert torch.equal(x, given)
     finally:
         remove(model)
+
+
+def test_what_a_tokenizer_returns_is_passed_as_keyword_arguments():
+    """`tokenizer(texts, return_tensors="pt")` returns a `BatchEncoding` (a `UserDict`, not a
+    dict), which training code passes as ``model(**batch)``. Given as example_inputs it was
+    taken as one positional argument, and the model raised inside its embeddings (an
+    AttributeError with an empty message). It is keyword arguments now, as a dict is."""
+    transformers = pytest.importorskip("transformers")
+    case = CASES["gpt2_padded"]()
+    model, given = case.model, case.inputs
+    batch = transformers.BatchEncoding(dict(given))
+    p = plan(model, None, example_inputs=batch, loss_fn=case.loss_fn, repeats=1)
+    try:
+        assert p.schedule.regions and "input_ids" in str(p.profile.meta.input_shapes)
+        v = p.verify(repeats=1)
+        assert v.max_grad_rel_err == 0 and v.measured_peak_bytes == v.predicted_peak_bytes
+    finally:
+        remove(model)
