@@ -33,6 +33,7 @@ import torch
 
 from planner import compiled, inplace
 from planner.capture.record import (
+    ModelRunError,
     default_loss,
     inputs_as_given,
     put_back,
@@ -438,6 +439,12 @@ def verify_against(reference: Callable[[], contextlib.AbstractContextManager[tor
                            buffers_out=b1 if planned_params is None else None)
         m1 = measure(mod, example_inputs, loss_fn, repeats=repeats, autocast=autocast,
                      optimizer=optimizer, held_bytes=held_bytes, grads_held=grads_held)
+    if not torch.isfinite(l0).all():
+        raise ModelRunError(
+            f"the unplanned model's loss is {l0.item()} on the example inputs, so a planned step "
+            "cannot be compared with it (and training on this batch would not be finite "
+            "either): check the inputs (a row that is all padding makes a masked mean divide "
+            "by zero) and the loss, then verify again")
     if not torch.allclose(l0, l1, rtol=rtol, atol=atol):
         with (reference() if callable(reference) else reference) as ref:
             again, _ = _one_step(ref, example_inputs, loss_fn, autocast=autocast)

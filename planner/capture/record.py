@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -1348,6 +1349,13 @@ def _check_loss(loss: Any) -> torch.Tensor:
             "some parameters have requires_grad=True, that the model is not run under "
             "torch.no_grad(), and that the loss uses the model's output"
         )
+    if type(loss) is torch.Tensor and loss.device.type != "meta" and \
+            not torch.isfinite(loss.detach()).item():
+        warnings.warn(
+            f"the example step's loss is {loss.item()}: the plan's memory figures hold, but its "
+            "gradients are not finite and plan.verify() cannot compare them; check the example "
+            "inputs (a row that is all padding makes a masked mean divide by zero) and the loss",
+            stacklevel=2)
     return loss
 
 

@@ -2312,3 +2312,26 @@ def test_what_a_tokenizer_returns_is_passed_as_keyword_arguments():
         assert v.max_grad_rel_err == 0 and v.measured_peak_bytes == v.predicted_peak_bytes
     finally:
         remove(model)
+
+
+def test_a_loss_that_is_not_finite_is_named_not_blamed_on_randomness():
+    """SimCSE's mean pooling on a batch with a row of padding only: the loss is nan, and
+    `verify` said the model's step "does not depend on torch's RNG state alone" (nan differs
+    from nan). Planning now warns that the example step's loss is not finite, and `verify`
+    says so and what to check."""
+
+    class MaskedMean(_Blocks):
+        def forward(self, x, mask):
+            h = self.blocks(x) * mask.unsqueeze(-1)
+            return self.head(h.sum(1) / mask.sum(1, keepdim=True)).square().mean()
+
+    x, mask = torch.randn(8, 16, 64), torch.ones(8, 16)
+    mask[3] = 0  # a row that is all padding
+    model = MaskedMean().train()
+    with pytest.warns(UserWarning, match="loss is nan"):
+        p = plan(model, None, example_inputs=(x, mask), loss_fn=lambda loss: loss, repeats=1)
+    try:
+        with pytest.raises(ModelRunError, match="loss is nan on the example inputs"):
+            p.verify(repeats=1)
+    finally:
+        remove(model)
