@@ -107,12 +107,11 @@ class Case:
 
 
 def call(model: nn.Module, inputs: Any) -> Any:
-    """Run `model` on inputs of any of the three forms."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
+    """Run `model` on inputs of any of the forms `plan` takes (`split_inputs`)."""
+    from planner.capture.record import split_inputs
+
+    args, kwargs = split_inputs(inputs)
+    return model(*args, **kwargs)
 
 
 # -- helpers -----------------------------------------------------------------------------------
