@@ -259,6 +259,9 @@ class _ReplayContext:
         return bool(self._stacks.pop().__exit__(*exc))
 
 
+_PLAIN = (torch.Tensor, int, float, bool, str, torch.Size, torch.dtype, torch.device)
+"""Argument types that hold no list or dict a replay would start from (`_RegionRunner.run`)."""
+
 _SCALARS = (int, float, bool)
 """Types of the module attributes a replay starts from as forward did (`_as_in_forward`)."""
 
@@ -651,7 +654,8 @@ class _RegionRunner:
         # ScriptModule's op, the TorchScript interpreter turns it into a RuntimeError that
         # checkpoint does not catch, and backward fails: such a region replays to its end.
         # read by `_eager_context`, which checkpoint calls as it starts
-        self._given = mutable_containers((args, given))
+        held = [v for v in (*args, *given) if v is not None and not isinstance(v, _PLAIN)]
+        self._given = mutable_containers(held) if held else ()
         with set_checkpoint_early_stop(False) if script else contextlib.nullcontext():
             return checkpoint(_stop_passes(fn), *args, use_reentrant=False,
                               preserve_rng_state=self.region.preserve_rng,
