@@ -1329,7 +1329,10 @@ def end_of_autocast() -> None:
         torch.clear_autocast_cache()
 
 
-def _check_loss(loss: Any) -> torch.Tensor:
+def _check_loss(loss: Any, finite: bool = False) -> torch.Tensor:
+    """`loss` if it can be a training step's loss, else CkptPlannerError saying why. With
+    `finite` (the warm-up step, which no recorder sees: the check is an op), warn if it is
+    not finite."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise CkptPlannerError(
             f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
@@ -1349,7 +1352,7 @@ def _check_loss(loss: Any) -> torch.Tensor:
             "some parameters have requires_grad=True, that the model is not run under "
             "torch.no_grad(), and that the loss uses the model's output"
         )
-    if type(loss) is torch.Tensor and loss.device.type != "meta" and \
+    if finite and type(loss) is torch.Tensor and loss.device.type != "meta" and \
             not torch.isfinite(loss.detach()).item():
         warnings.warn(
             f"the example step's loss is {loss.item()}: the plan's memory figures hold, but its "
@@ -1403,7 +1406,8 @@ def _noting_function_saves(rec: _Recorder) -> Iterator[None]:
         rec.function_saves.clear()
 
 
-def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[int], int, list]:
+def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool,
+             finite: bool = False) -> tuple[list[int], int, list]:
     """One forward, loss and backward of `spec`. Returns (storage ids of the output leaves, of
     the loss, and the gradients' storage ids) when recording structure."""
     wrt = [p for p in spec.params.values() if p.requires_grad]
@@ -1434,7 +1438,7 @@ def run_step(spec: StepSpec, rec: _Recorder | None, hooks: bool) -> tuple[list[i
                     out_sids = [rec.sid(t) for t in _tensors(out)]
                     if hooks:
                         rec.resolve_holds()
-            loss = _check_loss(spec.loss_fn(out))
+            loss = _check_loss(spec.loss_fn(out), finite)
             del out  # a training loop drops the output once the loss is computed
         end_of_autocast()
         loss_sid = rec.sid(loss) if rec is not None and rec.structure else -1
@@ -1758,7 +1762,7 @@ def _warm_up(spec: StepSpec) -> Exception | None:
     a step outside the recorder fails (`_failed_outside_recorder`)."""
     try:
         with restoring(spec):
-            run_step(spec, None, hooks=False)
+            run_step(spec, None, hooks=False, finite=True)
     except Exception as e:  # noqa: BLE001 - see above
         return e
     return None
