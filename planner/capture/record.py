@@ -1653,16 +1653,17 @@ def inputs_as_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[N
     - The values of their tensors, where the step wrote one in place (a forward that
       normalizes its batch with ``x.mul_(...)``): each step would see another batch, and
       `verify` would compare an unplanned step with a planned one on other inputs. Each tensor
-      is copied as the step starts (outside any measured window: callers enter this before
-      they start a timer or a memory count) and written back only if its version moved."""
+      is copied to host memory as the step starts (outside any measured window: callers enter
+      this before they start a timer or a memory count) and written back only if its version
+      moved."""
     was = [(c, c.copy()) for c in mutable_containers((args, kwargs))]
     kept = []
     for _, t in input_leaves((args, kwargs)):
         if t.requires_grad or t.layout != torch.strided or type(t) is not torch.Tensor \
                 or t.device.type == "meta":
             continue  # an in-place write to a leaf that requires grad raises; fakes, subclasses
-        with torch.no_grad():
-            kept.append((t, t._version, t.clone()))
+        with torch.no_grad():  # on the host: no device memory the step would not have
+            kept.append((t, t._version, t.detach().to("cpu", copy=True)))
     try:
         yield
     finally:
