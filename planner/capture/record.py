@@ -52,6 +52,7 @@ from torch.utils.flop_counter import (
     sdpa_backward_flop_count,
     sdpa_flop_count,
 )
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from planner.stages import call_pattern, host_rng_state, set_host_rng_state, stageable, trace
 from solvers.errors import CkptPlannerError
@@ -117,7 +118,8 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 _INPUT_FORMS = ("a tensor, a tuple of positional arguments, or a dict of keyword arguments "
-                "(e.g. example_inputs={'input_ids': ids, 'labels': ids})")
+                "(e.g. example_inputs={'input_ids': ids, 'labels': ids}); tensors may sit in "
+                "dataclasses, dicts or plain objects among them")
 
 
 def check_inputs(model: torch.nn.Module, example_inputs: Any) -> None:
@@ -741,10 +743,10 @@ class _Recorder(TorchDispatchMode):
         self.fixed_kind: dict[int, str] = {}  # storage id -> "param"/"buffer"/"input"
         self.buffer_sids: set[int] = set()
         self.entered: set[str] = set()
+        """Every module whose forward was called."""
         self.outside: dict[str, list[int]] = {}
         """Class name -> [calls, forward ops] of the modules forward ran that are not the
         model's submodules (outermost calls only): no region can be placed on them."""
-        """Every module whose forward was called."""
         self.differentiated: set[int] = set()
         """Forward ops whose node ran backward during the forward or loss phase."""
         self.called_in_backward: set[str] = set()
@@ -1655,13 +1657,16 @@ def inputs_as_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[N
       `verify` would compare an unplanned step with a planned one on other inputs. Each tensor
       is copied to host memory as the step starts (outside any measured window: callers enter
       this before they start a timer or a memory count) and written back only if its version
-      moved."""
+      moved; one a step left unwritten is not copied again (`_NOT_WRITTEN`)."""
     was = [(c, c.copy()) for c in mutable_containers((args, kwargs))]
     kept = []
     for _, t in input_leaves((args, kwargs)):
         if t.requires_grad or t.layout != torch.strided or type(t) is not torch.Tensor \
                 or t.device.type == "meta":
             continue  # an in-place write to a leaf that requires grad raises; fakes, subclasses
+        if _NOT_WRITTEN.get(t) == t._version:
+            kept.append((t, t._version, None))  # a step before left it unwritten: no copy
+            continue
         with torch.no_grad():  # on the host: no device memory the step would not have
             kept.append((t, t._version, t.detach().to("cpu", copy=True)))
     try:
@@ -1671,8 +1676,22 @@ def inputs_as_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[N
             set_contents(c, old)
         with torch.no_grad():
             for t, version, value in kept:
-                if t._version != version:
+                if t._version == version:
+                    _NOT_WRITTEN[t] = version
+                    continue
+                _NOT_WRITTEN.pop(t, None)
+                if value is not None:
                     t.copy_(value)
+                else:
+                    warnings.warn(
+                        f"this step wrote an input tensor of shape {tuple(t.shape)} in place, "
+                        "which the steps before it did not: it could not be put back, and the "
+                        "steps after it see the value it wrote", stacklevel=3)
+
+
+_NOT_WRITTEN: Any = WeakTensorKeyDictionary()
+"""Input tensor -> its version after a step that did not write it (`inputs_as_given`): the
+next step on it copies nothing (a model writes its inputs on every step or on none)."""
 
 
 @contextlib.contextmanager
