@@ -354,11 +354,7 @@ def _put_back(c: list | dict, was: list | dict) -> None:
     if len(now) == len(old) and all(k == j and v is w for (k, v), (j, w) in zip(now, old)):
         return
     if any(isinstance(v, torch.Tensor) for _, v in (*now, *old)):
-        if isinstance(c, dict):
-            c.clear()
-            c.update(was)
-        else:
-            c[:] = was
+        set_contents(c, was)
 
 
 def _contents(c: list | dict) -> list[tuple[Any, Any, bool]]:
