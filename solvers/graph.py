@@ -211,6 +211,7 @@ class GraphIndex:
         self.optimizer_step_bytes = p.optimizer_step_bytes
         self._arrays: IndexArrays | None = None
         self._dead_ends: dict[int, int] | None = None
+        self._dead_saver_ends: dict[int, int] | None = None
         self._last_forward_read: dict[int, int] | None = None
         self.spans: dict[tuple[int, int], tuple[list[int], frozenset[int], frozenset[int],
                                                 tuple[int, ...], tuple[int, ...], bool]] = {}
@@ -218,6 +219,18 @@ class GraphIndex:
         they read from outside, the buffer storages its calls update, those it restores, and
         whether a node draws random numbers (the simulator's, computed once per span)."""
         self.replays: dict = {}
+        self.span_arrays: dict = {}
+        """`spans`' nodes, made storages and inputs as arrays (`solvers.simulate._span_arrays`)."""
+        self.traced_of: dict = {}
+        """The traced calls (indices into `traced_calls`) whose generated code a region runs
+        (`solvers.simulate._traced_calls`), by the region's span, module and `staged`."""
+        self.own_nodes: dict = {}
+        """The simulator's own nodes of a region (those of no region nested in it nor of a
+        call left out in it) and what follows from them (`solvers.simulate._forest`), by its
+        span, the calls left out in it and the spans of the regions nested in it."""
+        self.span_reads: dict = {}
+        """The simulator's reads and releases of the storages each region span makes
+        (`solvers.simulate._span_reads`), by span and the traced calls a replay runs."""
         """The simulator's replay of each region that saves nothing, by its span and those of
         the regions nested in it: it depends on nothing else in a schedule."""
 
@@ -239,8 +252,10 @@ class GraphIndex:
         weight norm, computed from a detached copy of the adapter's weight) holds no edge.
         Integer and boolean outputs (`Node.no_grad_storages`) have no `grad_fn`: they do
         not keep it alive (`topk`'s indices, read until backward by the ops they index)."""
-        end = self.dead_ends()
-        return {f: end[f] for f in self.forward if self.saves[f] and f in end}
+        if self._dead_saver_ends is None:
+            end = self.dead_ends()
+            self._dead_saver_ends = {f: end[f] for f in self.forward if self.saves[f] and f in end}
+        return self._dead_saver_ends
 
     def dead_ends(self) -> dict[int, int]:
         """For every forward node that never ran backward, the node after which its autograd

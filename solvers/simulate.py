@@ -339,13 +339,24 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
             raise ScheduleError("a selective region (saved nodes) cannot nest or be nested")
     for n in range(len(out) - 1, -1, -1):
         r = out[n]
-        inner = {i for c in r.children for i in out[c].nodes}
-        r.own = [i for i in r.nodes if i not in inner]
-        # What a call left out saves goes to its own checkpoint's frame, not to this one: it
-        # neither extends this region's replay nor triggers it.
-        r.in_idle = frozenset(i for a, b, *_ in r.idle for i in range(a, b + 1))
-        savers = [i for i in r.own if g.saves[i] and i not in r.in_idle]
-        r.last_saver = max(savers, default=-1)
+        key = (r.nodes[0], r.nodes[-1], r.idle,
+               tuple((out[c].nodes[0], out[c].nodes[-1]) for c in r.children))
+        own = g.own_nodes.get(key)
+        if own is None:
+            inner = {i for c in r.children for i in out[c].nodes}
+            # What a call left out saves goes to its own checkpoint's frame, not to this one:
+            # it neither extends this region's replay nor triggers it.
+            in_idle = frozenset(i for a, b, *_ in r.idle for i in range(a, b + 1))
+            mine = [i for i in r.nodes if i not in inner] if inner else r.nodes
+            savers = [i for i in mine if g.saves[i] and i not in in_idle]
+            if len(g.own_nodes) >= MEMO_SIZE:
+                g.own_nodes.clear()
+            own = g.own_nodes[key] = (
+                mine, in_idle, savers,
+                min((g.bw_unpack[i] for i in savers if i in g.bw_unpack), default=-1),
+                max((g.bw_end[i] for i in savers if i in g.bw_end), default=-1))
+        r.own, r.in_idle, savers, own_trigger, own_end = own
+        r.last_saver = savers[-1] if savers else -1
         calls = [out[c].nodes[0] for c in r.children] + idle_calls.get(n, [])
         if not calls:
             # The replay runs the region's ops up to the early stop (`solvers.chain.early_stops`);
@@ -365,12 +376,11 @@ def _forest(g, stop, regs: list[_Reg], keys: list[int], parent_of: dict[int, int
                     else last_own - 1
             while r.early_stop >= 0 and g.phase[r.early_stop] != "forward":
                 r.early_stop -= 1
-        triggers = [g.bw_unpack[i] for i in savers if i in g.bw_unpack]
-        triggers += [out[c].trigger for c in r.children if out[c].trigger >= 0]
+        triggers = [out[c].trigger for c in r.children if out[c].trigger >= 0]
+        if own_trigger >= 0:
+            triggers.append(own_trigger)
         r.trigger = min(triggers, default=-1)
-        ends = [g.bw_end[i] for i in savers if i in g.bw_end]
-        ends += [out[c].bw_end for c in r.children]
-        r.bw_end = max(ends, default=-1)
+        r.bw_end = max([own_end] + [out[c].bw_end for c in r.children])
     return out
 
 
@@ -411,7 +421,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
     # Replay copies kept for backward: (storage, node index it dies at). A storage can have a
     # copy from each of several replays (a parent's replay re-runs a nested region, whose own
     # replay makes it again), each freed on its own.
-    held: list[tuple[int, int]] = []
+    held: list[tuple[np.ndarray, np.ndarray]] = []
     replay_freed: set[int] = set()  # originals (selective saves) that die inside a replay
 
     def handed(c: int) -> set[int]:
@@ -501,18 +511,20 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                 rep = g.replays[key] = _replay(g, r, (handed, keep_for), None, None,
                                                calls_in(k), with_ops=False)
         replay_ops[k] = rep
-        held.extend(rep.held.items())
+        held.append(rep.held_arrays)
         # the replayed ops, and checkpoint's own host cost: per region, per tensor it packs
         recompute_ms += rep.recompute_ms + g.region_ms + g.saved_tensor_ms * rep.packs
     # Copies that die as a nested region's replay returns (`keep_for`): freed after that
     # replay's last op, before the next replay at the same node.
     after_replay: dict[int, list[int]] = {}
-    if any(t < -1 for _, t in held):
+    held_s = np.concatenate([s for s, _ in held]) if held else np.zeros(0, np.int64)
+    held_t = np.concatenate([t for _, t in held]) if held else np.zeros(0, np.int64)
+    returns = held_t < -1
+    if returns.any():
         span_of = {_end_of_replay(g, r): k for k, r in enumerate(regs)}
-        for s, t in held:
-            if t < -1:
-                after_replay.setdefault(span_of[t], []).append(s)
-        held = [(s, t) for s, t in held if t >= -1]
+        for s, t in zip(held_s[returns].tolist(), held_t[returns].tolist()):
+            after_replay.setdefault(span_of[t], []).append(s)
+        held_s, held_t = held_s[~returns], held_t[~returns]
     for at_node in replay_at.values():
         at_node.sort(key=lambda k: regs[k].depth)  # a parent replays before its children
 
@@ -553,7 +565,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
                     last[s] = end
 
     if not timeline:
-        return _sweep(g, last, held, replay_at, replay_ops, replay_freed, extra_alloc,
+        return _sweep(g, last, (held_s, held_t), replay_at, replay_ops, replay_freed, extra_alloc,
                       extra_free, recompute_ms, after_replay)
 
     # 3. Sweep the timeline, op by op (`_sweep` computes the same without the timeline).
@@ -562,7 +574,7 @@ def _simulate(p: Profile, regions: tuple[Region, ...], *, timeline: bool) -> Sim
         if t >= 0:
             free_orig.setdefault(t, []).append(s)
     free_held: dict[int, list[int]] = {}
-    for s, t in held:
+    for s, t in zip(held_s.tolist(), held_t.tolist()):
         free_held.setdefault(t, []).append(s)
     sb, ws = g.sbytes, g.ws
     names = g.names
@@ -668,6 +680,8 @@ class _Replay:
     extra: tuple[tuple[int, int], ...] = ()
     """(position, bytes) of host state allocated before that op (position len(ran): at the
     replay's return, after its last op) and freed as the replay returns."""
+    held_arrays: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    """`held` as two arrays, storages and deaths, in its order (for `_simulate`)."""
 
 
 def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int] | None,
@@ -706,12 +720,16 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                 key, death = keep_for(s, c)
                 if key > order.get(s, (-1, -1)):
                     order[s], hold[s] = key, death
-    ran = [i for i in r.nodes if i <= r.early_stop]
-    read_pos: dict[int, int] = {}
-    for pos, i in enumerate(ran):
-        for s in g.reads[i]:
-            if s in r.produced:
-                read_pos[s] = pos
+    reads, rels = _span_reads(g, r)
+    n_ran = bisect.bisect_right(r.nodes, r.early_stop)  # `r.nodes` ascend: `ran` is a prefix
+    ran = r.nodes[:n_ran]
+    if n_ran == len(r.nodes):
+        read_pos = {s: ps[-1] for s, ps in reads.items()}
+    else:
+        read_pos = {}
+        for s, ps in reads.items():
+            if ps[0] < n_ran:
+                read_pos[s] = ps[-1] if ps[-1] < n_ran else ps[bisect.bisect_left(ps, n_ran) - 1]
     random, nested_calls = calls
     rng = g.rng_state_bytes
     # Position len(ran) is the replay's return (or its early stop unwinding it): a step after
@@ -735,26 +753,11 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
         if ran and snap and first <= r.early_stop + 1:
             extra.append((bisect.bisect_left(ran, first), snap))
     # The replay runs the module's own code: what it holds past the last reader lives until
-    # it is dropped there too, or until the early stop unwinds the replay.
-    fwd_read = g.last_forward_read() if r.traced else {}
-    for s in r.produced:
-        rel = g.release.get(s)
-        if rel is not None and r.traced and fwd_read.get(s, -1) <= r.nodes[-1] \
-                and s not in g.not_code_held:
-            # a call running its traced code drops a value no later stage reads after the
-            # stage that reads it last (the generated code's `x = None`), not where the model's
-            # code did; what the code does not hold last (autocast's cached casts, what the
-            # model returns) is held by something else, as `_original_ends` has it
-            m = int(g.arrays().maker[s])
-            n = max(fwd_read.get(s, -1), m)
-            for ca, cb, firsts, lasts in r.traced:
-                if ca <= m <= cb and ca <= rel <= cb:
-                    k = bisect.bisect_right(firsts, n) - 1
-                    rel = min(rel, lasts[k] if k >= 0 and n <= lasts[k] else n)
-        if rel is not None:
-            pos = bisect.bisect_right(ran, rel) - 1 if rel <= r.early_stop else ret
-            if pos > read_pos.get(s, -1):
-                read_pos[s] = pos
+    # it is dropped there too (`_span_reads`), or until the early stop unwinds the replay.
+    for s, rel, at in rels:
+        pos = at if rel <= r.early_stop else ret
+        if pos > read_pos.get(s, -1):
+            read_pos[s] = pos
     # A replayed op that never runs backward (its output does not reach the loss) keeps what
     # it saves while its replayed autograd node lives, as in forward: the replay's pack hook
     # hands the tensor back to the node whether or not the frame wants it. Inside a nested
@@ -825,10 +828,12 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                     replay_freed.add(s)
                     frees.setdefault(read_pos.get(s, pos), []).append(s)
             # not replayed, but the copies the replay makes as it starts (buffers) still are
-            ops.append((i, recast.get(pos, [])))
+            if with_ops:
+                ops.append((i, recast.get(pos, [])))
             continue
         recompute_ms += g.time[i]
-        ops.append((i, g.new[i] + recast.get(pos, [])))
+        if with_ops:
+            ops.append((i, g.new[i] + recast.get(pos, [])))
         for s in g.new[i]:
             if s in hold:
                 held[s] = hold[s]
@@ -867,7 +872,51 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
         plus[pos] += b
         minus[-1] += b
     return _Replay(out, held, recompute_ms, (plus, minus, ws, -1 - idx),
-                   sum(len(g.saves[i]) for i in r.own), tuple(extra))
+                   sum(len(g.saves[i]) for i in r.own), tuple(extra),
+                   (np.fromiter(held.keys(), np.int64, len(held)),
+                    np.fromiter(held.values(), np.int64, len(held))))
+
+
+def _span_reads(g, r: _Reg) -> tuple[dict[int, list[int]], list[tuple[int, int, int]]]:
+    """What `_replay` needs of region `r`'s span whatever its early stop and nested regions,
+    computed once per span and set of traced calls (`GraphIndex.span_reads`): for each storage
+    the region makes, the positions in `r.nodes` of the nodes that read it (ascending); and
+    (storage, node after which the model's code drops it, that node's position in `r.nodes`)
+    for those it drops.
+
+    In a call running its traced code (`r.traced`) a value no later stage reads is dropped
+    after the stage that reads it last (the generated code's `x = None`), not where the model's
+    code did; what the code does not hold last (autocast's cached casts, what the model
+    returns) is held by something else, as `_original_ends` has it."""
+    key = (r.nodes[0], r.nodes[-1], tuple((c[0], c[1]) for c in r.traced))
+    got = g.span_reads.get(key)
+    if got is not None:
+        return got
+    produced = r.produced
+    reads: dict[int, list[int]] = {}
+    for pos, i in enumerate(r.nodes):
+        for s in g.reads[i]:
+            if s in produced:
+                reads.setdefault(s, []).append(pos)
+    fwd_read = g.last_forward_read() if r.traced else {}
+    maker = g.arrays().maker
+    rels: list[tuple[int, int, int]] = []
+    for s in produced:
+        rel = g.release.get(s)
+        if rel is None:
+            continue
+        if r.traced and fwd_read.get(s, -1) <= r.nodes[-1] and s not in g.not_code_held:
+            m = int(maker[s])
+            n = max(fwd_read.get(s, -1), m)
+            for ca, cb, firsts, lasts in r.traced:
+                if ca <= m <= cb and ca <= rel <= cb:
+                    k = bisect.bisect_right(firsts, n) - 1
+                    rel = min(rel, lasts[k] if k >= 0 and n <= lasts[k] else n)
+        rels.append((s, rel, bisect.bisect_right(r.nodes, rel) - 1))
+    if len(g.span_reads) >= MEMO_SIZE:
+        g.span_reads.clear()
+    got = g.span_reads[key] = (reads, rels)
+    return got
 
 
 def _traced_calls(g, regions: tuple[Region, ...]) -> list[tuple[int, int, list[int], list[int]]]:
@@ -877,19 +926,28 @@ def _traced_calls(g, regions: tuple[Region, ...]) -> list[tuple[int, int, list[i
     out: list[tuple[int, int, list[int], list[int]]] = []
     if not g.traced_calls:
         return out
+    seen: set[int] = set()
     for r in regions:
-        a, b = g.name_to_i[r.start], g.name_to_i[r.end]
-        for t in g.traced_by_first.get(a, ()):
-            call = g.traced_calls[t]
-            ca, cb, _, lasts = call
-            if call in out or not (ca <= a and b <= cb) or b not in lasts:
-                continue
-            if r.module is not None and (r.module or r.staged):  # bound (`solvers.chain.bind`)
-                staged = bool(r.staged) and g.call_span.get(r.module) == (ca, cb)
-            else:  # a span that is a module call is that call (`solvers.chain.candidate_calls`)
-                staged = (a, b) not in g.call_spans
-            if staged:
-                out.append(call)
+        key = (r.start, r.end, r.module, r.staged)
+        mine = g.traced_of.get(key)
+        if mine is None:
+            mine = []
+            a, b = g.name_to_i[r.start], g.name_to_i[r.end]
+            for t in g.traced_by_first.get(a, ()):
+                ca, cb, _, lasts = g.traced_calls[t]
+                if t in mine or not (ca <= a and b <= cb) or b not in lasts:
+                    continue
+                if r.module is not None and (r.module or r.staged):  # bound (`chain.bind`)
+                    staged = bool(r.staged) and g.call_span.get(r.module) == (ca, cb)
+                else:  # a span that is a module call is that call (`chain.candidate_calls`)
+                    staged = (a, b) not in g.call_spans
+                if staged:
+                    mine.append(t)
+            g.traced_of[key] = mine
+        for t in mine:
+            if t not in seen:
+                seen.add(t)
+                out.append(g.traced_calls[t])
     return out
 
 
@@ -903,9 +961,9 @@ def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int
     produced_in = np.full(len(g.sbytes), -1, dtype=np.int64)
     for k, r in enumerate(regs):
         if r.parent < 0:
-            region_node[r.nodes] = k
-            if r.produced:
-                produced_in[list(r.produced)] = k
+            nodes, produced, _ = _span_arrays(g, r.nodes[0], r.nodes[-1])
+            region_node[nodes] = k
+            produced_in[produced] = k
     last = np.full(len(g.sbytes), -1, dtype=np.int64)
     # The last reader; a backward op reads the replay's copy of what its outermost region made.
     k = np.where(a.read_gradof >= 0, region_node[a.read_gradof], -1)
@@ -954,19 +1012,31 @@ def _original_ends(g, regs: list[_Reg], regions: tuple[Region, ...]) -> list[int
     # A region's call keeps its tensor arguments until it returns (checkpoint's frames hold
     # them), past their last reader: a run of traced stages or of a Sequential's children is
     # a call the model's own code does not make.
-    out = last.tolist()
     for r in regions:
-        span = g.spans.get((g.name_to_i[r.start], g.name_to_i[r.end]))
+        i, j = g.name_to_i[r.start], g.name_to_i[r.end]
+        span = g.spans.get((i, j))
         if span is None or not span[0]:
             continue
-        end = span[0][-1]
-        for s in span[2]:
-            if out[s] < end and s not in g.fixed_storages:
-                out[s] = end
-    return out
+        inputs = _span_arrays(g, i, j)[2]
+        last[inputs] = np.maximum(last[inputs], span[0][-1])
+    return last.tolist()
 
 
-def _sweep(g, last: list[int], held: list[tuple[int, int]], replay_at: dict[int, list[int]],
+def _span_arrays(g, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The forward nodes of span (a, b) of `GraphIndex.spans`, the storages they make, and
+    the storages they read from outside but the fixed ones, as arrays (computed once)."""
+    got = g.span_arrays.get((a, b))
+    if got is None:
+        nodes, made, inputs = g.spans[(a, b)][:3]
+        got = g.span_arrays[(a, b)] = (
+            np.asarray(nodes, dtype=np.int64),
+            np.fromiter(made, np.int64, len(made)),
+            np.asarray([s for s in inputs if s not in g.fixed_storages], dtype=np.int64))
+    return got
+
+
+def _sweep(g, last: list[int], held: tuple[np.ndarray, np.ndarray],
+           replay_at: dict[int, list[int]],
            replay_ops: dict[int, _Replay],
            replay_freed: set[int], extra_alloc: dict[int, int], extra_free: dict[int, int],
            recompute_ms: float, after_replay: dict[int, list[int]]) -> Simulation:
@@ -979,9 +1049,8 @@ def _sweep(g, last: list[int], held: list[tuple[int, int]], replay_at: dict[int,
     frees = np.zeros(g.n + 1, dtype=np.int64)  # index g.n: the end of the step (never freed)
     live = last_a >= 0
     np.add.at(frees, last_a[live], sb[live])
-    if held:
-        np.add.at(frees, np.fromiter((t for _, t in held), np.int64, len(held)),
-                  sb[np.fromiter((s for s, _ in held), np.int64, len(held))])
+    if len(held[0]):  # replay copies kept for backward: (storages, the node each dies at)
+        np.add.at(frees, held[1], sb[held[0]])
     once = (last_a < 0) & (a.maker >= 0)  # nobody reads it: freed after the op that made it
     if replay_freed:
         once[list(replay_freed)] = False
