@@ -720,7 +720,7 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                 key, death = keep_for(s, c)
                 if key > order.get(s, (-1, -1)):
                     order[s], hold[s] = key, death
-    reads, rels = _span_reads(g, r)
+    reads, rels, made_pos, made_s, made_cut, time_upto = _span_reads(g, r)
     n_ran = bisect.bisect_right(r.nodes, r.early_stop)  # `r.nodes` ascend: `ran` is a prefix
     ran = r.nodes[:n_ran]
     if n_ran == len(r.nodes):
@@ -815,7 +815,22 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                 held[s] = end
             else:
                 frees.setdefault(ret, []).append(s)
-    for pos, i in enumerate(ran):
+    if not r.saved and not with_ops:  # the same as the loop below, by span facts
+        if recompute_ms == 0.0:
+            recompute_ms = time_upto[n_ran]
+        else:
+            for i in ran:
+                recompute_ms += g.time[i]
+        k = made_cut[n_ran]
+        for pos, s in zip(made_pos[:k], made_s[:k]):
+            if s in hold:
+                held[s] = hold[s]
+            else:
+                frees.setdefault(read_pos.get(s, pos), []).append(s)
+        ran_all = ()
+    else:
+        ran_all = ran
+    for pos, i in enumerate(ran_all):
         if i in r.saved:
             # Selective saves are cached from forward; the replay consumes the cache entry, so
             # an output no backward op needs dies after its last replayed reader.
@@ -865,9 +880,15 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
         plus = np.append(plus, 0)
         ws = np.append(ws, 0)
     minus = np.zeros(len(plus), dtype=np.int64)
-    for pos, fr in frees.items():
-        if pos < len(minus):
-            minus[pos] = sum(g.sbytes[s] for s in fr)
+    if frees:
+        fpos: list[int] = []
+        fst: list[int] = []
+        for pos, fr in frees.items():
+            fpos += [pos] * len(fr)
+            fst += fr
+        at = np.asarray(fpos, dtype=np.int64)
+        inside = at < len(minus)
+        np.add.at(minus, at[inside], a.sbytes[np.asarray(fst, dtype=np.int64)[inside]])
     for pos, b in extra:
         plus[pos] += b
         minus[-1] += b
@@ -877,12 +898,15 @@ def _replay(g, r: _Reg, nested: tuple[Callable, Callable] | None, last: list[int
                     np.fromiter(held.values(), np.int64, len(held))))
 
 
-def _span_reads(g, r: _Reg) -> tuple[dict[int, list[int]], list[tuple[int, int, int]]]:
+def _span_reads(g, r: _Reg) -> tuple[dict[int, list[int]], list[tuple[int, int, int]],
+                                     list[int], list[int], list[int], list[float]]:
     """What `_replay` needs of region `r`'s span whatever its early stop and nested regions,
     computed once per span and set of traced calls (`GraphIndex.span_reads`): for each storage
-    the region makes, the positions in `r.nodes` of the nodes that read it (ascending); and
+    the region makes, the positions in `r.nodes` of the nodes that read it (ascending);
     (storage, node after which the model's code drops it, that node's position in `r.nodes`)
-    for those it drops.
+    for those it drops; the storages its nodes make as two lists, position and storage, in
+    the order the nodes make them; for each prefix of `r.nodes`, how many of those its nodes
+    make, and the sum of their times (added up in node order, as `_replay` adds them).
 
     In a call running its traced code (`r.traced`) a value no later stage reads is dropped
     after the stage that reads it last (the generated code's `x = None`), not where the model's
@@ -913,9 +937,18 @@ def _span_reads(g, r: _Reg) -> tuple[dict[int, list[int]], list[tuple[int, int, 
                     k = bisect.bisect_right(firsts, n) - 1
                     rel = min(rel, lasts[k] if k >= 0 and n <= lasts[k] else n)
         rels.append((s, rel, bisect.bisect_right(r.nodes, rel) - 1))
+    made_pos: list[int] = []
+    made_s: list[int] = []
+    made_cut = [0]
+    time_upto = [0.0]
+    for pos, i in enumerate(r.nodes):
+        made_pos += [pos] * len(g.new[i])
+        made_s += g.new[i]
+        made_cut.append(len(made_s))
+        time_upto.append(time_upto[-1] + g.time[i])
     if len(g.span_reads) >= MEMO_SIZE:
         g.span_reads.clear()
-    got = g.span_reads[key] = (reads, rels)
+    got = g.span_reads[key] = (reads, rels, made_pos, made_s, made_cut, time_upto)
     return got
 
 
