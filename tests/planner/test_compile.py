@@ -294,13 +294,14 @@ def test_a_budget_below_the_eager_floor_is_judged_on_the_compiled_step():
     """plan(..., compile="inductor") at a budget no eager plan reaches: inductor keeps less than
     eager, so the budget is searched on compiled copies; the answer is a plan whose compiled step
     fits, or an error giving the compiled peaks it measured (not the eager floor's message).
-    Inductor's own budget left at 1 (`compile_memory_budgets=(1.0,)`): every compiled copy
-    costs seconds of inductor compilation, and the wider search compiles several times more."""
+    Inductor's own budget left at 1 (`compile_memory_budgets=(1.0,)`) and a U-Net of one level:
+    every compiled copy costs seconds of inductor compilation, in proportion to the ops, and
+    the wider search compiles several times more."""
     from tests.models import unet
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model, x = unet(batch=2, base=8, depth=2, image=48)
+    model, x = unet(batch=2, base=8, depth=1, image=48)
     prof = planner.profile(model, x, repeats=1)
     budget = smallest_peak(prof) - 1
     try:

@@ -35,7 +35,7 @@ def _spawn(fn, *args) -> None:
 
     ctx = mp.start_processes(fn, args=args, nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
+    while not ctx.join(timeout=0.5):
         if time.monotonic() > deadline:
             for proc in ctx.processes:
                 proc.kill()
